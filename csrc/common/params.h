@@ -1,0 +1,166 @@
+// The one description of an attention call, shared by the CPU and CUDA kernels.
+//
+// The FFI layer (csrc/ffi/decode.cc) builds an AttentionShape from the buffers' dimensions and the
+// call's attributes once; kernels read every operand through it, so broadcasting (stride 0), GQA
+// head mapping and the visibility rule live in exactly one place.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DMATTN_HD __host__ __device__ __forceinline__
+#else
+#define DMATTN_HD inline
+#endif
+
+namespace dmattn {
+
+// vmap adds leading batch dims; the FFI layer accepts up to this many after merging neighbours.
+constexpr int kMaxBatchDims = 4;
+
+enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The problem's leading batch dims (those of q, out and lse). Kernels see one flat batch index.
+struct BatchShape {
+  int32_t rank = 0;
+  int64_t sizes[kMaxBatchDims] = {1, 1, 1, 1};
+
+  DMATTN_HD int64_t count() const {
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= sizes[d];
+    return n;
+  }
+};
+
+// An operand's element strides over the problem's batch dims: 0 where the operand broadcasts.
+struct BatchStrides {
+  int64_t strides[kMaxBatchDims] = {0, 0, 0, 0};
+
+  DMATTN_HD int64_t offset(const BatchShape& shape, int64_t flat_batch) const {
+    int64_t off = 0;
+    for (int d = shape.rank - 1; d >= 0; --d) {
+      off += (flat_batch % shape.sizes[d]) * strides[d];
+      flat_batch /= shape.sizes[d];
+    }
+    return off;
+  }
+};
+
+// A mask, bias or dbias of shape [*batch|1, H|Hk|1, Lq|1, Lk|1], contiguous in its own shape and
+// addressed through strides that are 0 on its size-1 (broadcast) dims. For dbias those are the
+// dims it is summed over.
+struct BroadcastOperand {
+  bool present = false;
+  BatchStrides batch;
+  int64_t heads_per_entry = 1;  // query heads that share one head entry: H / its head count
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;  // 0 when broadcast over queries
+  int64_t col_stride = 0;  // 0 when broadcast over keys
+  int64_t num_elements = 0;
+
+  // Offset of element (batch b, query head h, row 0, column 0).
+  DMATTN_HD int64_t offset(const BatchShape& shape, int64_t b, int64_t h) const {
+    return batch.offset(shape, b) + (h / heads_per_entry) * head_stride;
+  }
+  DMATTN_HD bool broadcast_over_rows() const { return row_stride == 0; }
+  DMATTN_HD bool broadcast_over_cols() const { return col_stride == 0; }
+};
+
+// Shapes, layouts and the math of one call.
+//   q, out, dout, dq: [*batch, Lq, H, D]   k, v: [*batch|1, Lk, Hk, D]   dk, dv: [*batch|1, ...]
+//   lse, softmax_d:   [*batch, H, Lq] fp32 q_lens, kv_lens: [*batch|1] int32
+// Gradients have their own layouts (dkv_batch, dbias): a gradient sums over exactly the dims where
+// ITS buffer has size 1, which may differ from where the input broadcasts (under vmap an unmapped
+// k or bias is read with stride 0 but its per-example gradient is full-size).
+struct AttentionShape {
+  BatchShape batch;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  ElementType dtype = ElementType::kFloat32;  // q, k, v, out, bias (and their gradients)
+
+  BatchStrides kv_batch;       // k, v
+  BatchStrides dkv_batch;      // dk, dv (backward only)
+  BatchStrides seqlens_batch;  // q_lens, kv_lens
+  bool has_seqlens = false;
+  BroadcastOperand mask, bias;
+  BroadcastOperand dbias;  // backward with a bias only
+
+  float scale = 1.f;
+  float softcap = 0.f;  // 0: no softcap
+  // Key j is visible to query i iff  i + diagonal_offset - window_left <= j
+  //                               and j <= i + diagonal_offset + window_right,
+  // a window bound < 0 meaning unbounded; causal is window_right = 0. Lengths and mask apply too.
+  int64_t diagonal_offset = 0;
+  int64_t window_left = -1, window_right = -1;
+  bool deterministic = false;
+
+  DMATTN_HD int64_t batch_count() const { return batch.count(); }
+  DMATTN_HD int64_t heads_per_kv_head() const { return num_heads / num_kv_heads; }
+
+  // Element offsets of row 0 / head h of each operand family for flat batch index b.
+  DMATTN_HD int64_t q_offset(int64_t b, int64_t h) const {
+    return b * seqlen_q * num_heads * head_dim + h * head_dim;
+  }
+  DMATTN_HD int64_t q_row_stride() const { return num_heads * head_dim; }
+  DMATTN_HD int64_t kv_offset(int64_t b, int64_t kv_head) const {
+    return kv_batch.offset(batch, b) + kv_head * head_dim;
+  }
+  DMATTN_HD int64_t dkv_offset(int64_t b, int64_t kv_head) const {
+    return dkv_batch.offset(batch, b) + kv_head * head_dim;
+  }
+  DMATTN_HD int64_t kv_row_stride() const { return num_kv_heads * head_dim; }
+  DMATTN_HD int64_t lse_offset(int64_t b, int64_t h) const {
+    return (b * num_heads + h) * seqlen_q;
+  }
+
+  // The first key past the keys row i may see from the diagonal/window rule alone (no mask, no
+  // lengths), and the first key it may see; an empty range when first >= end.
+  DMATTN_HD int64_t first_visible_key(int64_t i) const {
+    if (window_left < 0) return 0;
+    const int64_t first = i + diagonal_offset - window_left;
+    return first < 0 ? 0 : first;
+  }
+  DMATTN_HD int64_t end_visible_key(int64_t i, int64_t kv_len) const {
+    if (window_right < 0) return kv_len;
+    const int64_t end = i + diagonal_offset + window_right + 1;
+    return end < kv_len ? (end < 0 ? 0 : end) : kv_len;
+  }
+};
+
+// Pointers of a forward call. Optional operands are null when absent.
+struct ForwardArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const bool* mask = nullptr;
+  const void* bias = nullptr;
+  const int32_t* q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
+  void* workspace[2] = {nullptr, nullptr};
+};
+
+// Pointers of a backward call. dlse is the cotangent of lse (zeros unless lse was used).
+struct BackwardArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;
+  const float* dlse = nullptr;
+  const bool* mask = nullptr;
+  const void* bias = nullptr;
+  const int32_t* q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dbias = nullptr;  // null when there is no bias
+  float* softmax_d = nullptr;  // [*batch, H, Lq] workspace: rowsum(dout * out) - dlse
+  void* workspace[2] = {nullptr, nullptr};
+};
+
+}  // namespace dmattn

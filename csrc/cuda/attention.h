@@ -1,0 +1,19 @@
+// CUDA attention kernels: the entry points the FFI handlers call. Host code only here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+
+namespace dmattn::cuda {
+
+// Head dims with compiled kernels for this build (see CMake option JAX_DMATTN_HEAD_DIMS).
+bool SupportsHeadDim(int64_t head_dim);
+
+// Launches the forward on `stream`; never synchronises. Returns the first CUDA error seen.
+cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream);
+
+// Launches the backward on `stream`; args.workspace[0] is an fp32 dq accumulator shaped like q.
+cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream);
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,327 @@
+// Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
+// accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
+// shape.deterministic; the main backward kernel then skips its dQ phase.
+//   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/kernel_params.h"
+#include "cuda/kernel_utils.cuh"
+
+namespace dmattn::cuda {
+
+struct DqParams {
+  BwdParams p;
+  void* dq;
+  int m_blocks;
+};
+
+template <int D_, int BM_, int BN_, int NW_>
+struct DqTraits {
+  static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+  static constexpr int kNT = NW * 32;
+  static_assert(BM == NW * 16, "one 16-row MMA tile per warp");
+  static constexpr int NTS = BN / 8;
+  static constexpr int NTO = D / 8;
+  static constexpr int kBiasPitch = BN + 8;
+  static constexpr int kMaskPitch = BN + 16;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffdO = kOffQ + BM * D * 2;
+  static constexpr int kOffK = kOffdO + BM * D * 2;
+  static constexpr int kOffV = kOffK + BN * D * 2;
+  static constexpr int kOffBias = kOffV + BN * D * 2;
+  static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
+  static constexpr int kMaskTile = BM * kMaskPitch;
+  static constexpr int kSmem = kOffMask + 2 * kMaskTile;
+};
+
+template <typename Tr, typename T>
+__global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqParams dqp) {
+  using namespace detail;
+  using E = Elem<T>;
+  constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
+  constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
+  using TileQ = SwizzledTile<BM, D>;
+  using TileKV = SwizzledTile<BN, D>;
+  const BwdParams& p = dqp.p;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
+  T* sdO = reinterpret_cast<T*>(smem + Tr::kOffdO);
+  T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
+  T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
+  T* sBias = reinterpret_cast<T*>(smem + Tr::kOffBias);
+  uint8_t* sMask = smem + Tr::kOffMask;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const AttentionShape& s = p.s;
+
+  const int H = static_cast<int>(s.num_heads);
+  const int64_t bid = blockIdx.x;
+  const int m_block = dqp.m_blocks - 1 - static_cast<int>(bid % dqp.m_blocks);
+  const int64_t bh = bid / dqp.m_blocks;
+  const int h = static_cast<int>(bh % H);
+  const int64_t b = bh / H;
+  const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
+  const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
+  const Band band = make_band(s);
+  const int Lq = static_cast<int>(s.seqlen_q);
+  const int m0 = m_block * BM;
+
+  const int64_t q_rs = s.q_row_stride();
+  const int64_t kv_rs = s.kv_row_stride();
+  const T* qg = static_cast<const T*>(p.q) + s.q_offset(b, h) + m0 * q_rs;
+  const T* dog = static_cast<const T*>(p.dout) + s.q_offset(b, h) + m0 * q_rs;
+  const T* kg = static_cast<const T*>(p.k) + s.kv_offset(b, hk);
+  const T* vg = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
+
+  const bool has_mask = p.mask != nullptr;
+  const bool has_bias = p.bias != nullptr;
+  const bool mask_one_row = s.mask.row_stride == 0;
+  const bool bias_one_row = s.bias.row_stride == 0;
+  const int mask_rows = mask_one_row ? 1 : BM;
+  const uint8_t* mg = has_mask ? p.mask + s.mask.offset(s.batch, b, h) + m0 * s.mask.row_stride
+                               : nullptr;
+  const T* bg = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
+                               m0 * s.bias.row_stride
+                         : nullptr;
+  const int valid_q = L.q_len - m0;
+
+  int n_lo = 0, n_hi = 0;
+  {
+    const int row_last = min(m0 + BM, L.q_len) - 1;
+    if (row_last >= m0 && L.kv_len > 0) {
+      int64_t lo = static_cast<int64_t>(m0) + band.dmin;
+      int64_t hi = static_cast<int64_t>(row_last) + band.dmax + 1;
+      lo = lo < 0 ? 0 : lo;
+      hi = hi > L.kv_len ? L.kv_len : hi;
+      if (hi > lo) {
+        n_lo = static_cast<int>(lo / BN);
+        n_hi = static_cast<int>((hi + BN - 1) / BN);
+      }
+    }
+  }
+
+  auto load_mask = [&](int n, int buf) {
+    load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
+        sMask + buf * Tr::kMaskTile, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride,
+        s.mask.row_stride, s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec,
+        mask_one_row, tid);
+  };
+  auto load_bias = [&](int n) {
+    load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
+        sBias, bg + static_cast<int64_t>(n) * BN * s.bias.col_stride, s.bias.row_stride,
+        s.bias.col_stride, valid_q, L.kv_len - n * BN, p.bias_vec, bias_one_row, tid);
+  };
+  auto load_kv = [&](T* dst, const T* src, int n) {
+    load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
+                               L.kv_len - n * BN, tid);
+  };
+
+  load_tile_async<BM, D, NT>(sQ, qg, q_rs, valid_q, tid);
+  load_tile_async<BM, D, NT>(sdO, dog, q_rs, valid_q, tid);
+  cp_async_commit();
+
+  // Per-row lse (log2 units, +inf for rows with no visible key) and softmax_d.
+  const int row0 = warp * 16 + g;
+  float lse2[2], dsum[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = m0 + row0 + half * 8;
+    float l = -INFINITY, d = 0.f;
+    if (i < L.q_len) {
+      l = p.lse[s.lse_offset(b, h) + i];
+      d = p.softmax_d[s.lse_offset(b, h) + i];
+    }
+    lse2[half] = l == -INFINITY ? INFINITY : l * kLog2e;
+    dsum[half] = d;
+  }
+
+  int n = n_hi - 1;
+  int cur = 0;
+  if (has_mask) {
+    while (n >= n_lo) {
+      load_mask(n, cur);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
+      --n;
+    }
+  }
+  if (n >= n_lo) {
+    load_kv(sK, kg, n);
+    load_kv(sV, vg, n);
+    if (has_bias) load_bias(n);
+    cp_async_commit();
+  }
+
+  float acc[NTO][4];
+#pragma unroll
+  for (int t = 0; t < NTO; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+
+  while (n >= n_lo) {
+    const int n0 = n * BN;
+    const bool cand = has_mask && (n - 1 >= n_lo);
+    if (cand) {
+      load_mask(n - 1, cur ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float sc[NTS][4], dp[NTS][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int rr = bias_one_row ? 0 : row0 + half * 8;
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
+        float2 bv = make_float2(0.f, 0.f);
+        if (has_bias) {
+          bv = E::unpack(
+              *reinterpret_cast<const uint32_t*>(sBias + rr * Tr::kBiasPitch + t * 8 + 2 * tq));
+          bv.x *= p.bias_mul;
+          bv.y *= p.bias_mul;
+        }
+        sc[t][2 * half] = bv.x;
+        sc[t][2 * half + 1] = bv.y;
+        dp[t][2 * half] = 0.f;
+        dp[t][2 * half + 1] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t aq[4], ao[4];
+      const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int c = ks * 16 + (lane >> 4) * 8;
+      ldsm_x4(aq, smem_u32(sQ + TileQ::off(r, c)));
+      ldsm_x4(ao, smem_u32(sdO + TileQ::off(r, c)));
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        const int kr = np * 16 + (lane & 7) + (lane >> 4) * 8;
+        const int kc = ks * 16 + ((lane >> 3) & 1) * 8;
+        uint32_t bk[4], bv[4];
+        ldsm_x4(bk, smem_u32(sK + TileKV::off(kr, kc)));
+        ldsm_x4(bv, smem_u32(sV + TileKV::off(kr, kc)));
+        E::mma(sc[2 * np], aq, bk[0], bk[1]);
+        E::mma(sc[2 * np + 1], aq, bk[2], bk[3]);
+        E::mma(dp[2 * np], ao, bv[0], bv[1]);
+        E::mma(dp[2 * np + 1], ao, bv[2], bv[3]);
+      }
+    }
+
+    const bool need_bounds =
+        (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
+        (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
+        (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
+    const uint8_t* sm = sMask + cur * Tr::kMaskTile;
+    const bool capped = p.softcap > 0.f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + half * 8;
+      const int i = m0 + r;
+      const int rr = mask_one_row ? 0 : r;
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = t * 8 + 2 * tq + e;
+          bool vis = true;
+          if (has_mask) vis = sm[rr * Tr::kMaskPitch + c] != 0;
+          if (need_bounds) {
+            const int j = n0 + c;
+            const int dd = j - i;
+            vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+          }
+          float x = sc[t][2 * half + e];
+          float tc = 0.f;
+          if (capped) {
+            tc = accurate_tanh(x * p.softcap_in);
+            x = p.softcap * tc;
+          }
+          const float pv = vis ? fast_exp2(x * p.softmax_mul - lse2[half]) : 0.f;
+          float ds = pv * (dp[t][2 * half + e] - dsum[half]);
+          if (capped) ds *= (1.f - tc * tc);
+          sc[t][2 * half + e] = ds;
+        }
+      }
+    }
+
+    int next = n - 1;
+    if (has_mask) {
+      if (cand) {
+        cp_async_wait<0>();
+        __syncthreads();
+        bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
+                                                    mask_rows, tid);
+        while (!act) {
+          --next;
+          if (next < n_lo) break;
+          load_mask(next, cur ^ 1);
+          cp_async_commit();
+          cp_async_wait<0>();
+          __syncthreads();
+          act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
+                                                 tid);
+        }
+      } else {
+        next = n_lo - 1;
+      }
+    }
+    __syncthreads();  // V and bias free
+    if (next >= n_lo) {
+      load_kv(sV, vg, next);
+      if (has_bias) load_bias(next);
+      cp_async_commit();
+    }
+
+    // dQ += dS K
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = E::pack(sc[2 * kk][0], sc[2 * kk][1]);
+      a[1] = E::pack(sc[2 * kk][2], sc[2 * kk][3]);
+      a[2] = E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      a[3] = E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      const int kr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dq = 0; dq < D / 16; ++dq) {
+        uint32_t bk[4];
+        ldsm_x4_t(bk, smem_u32(sK + TileKV::off(kr, dq * 16 + (lane >> 4) * 8)));
+        E::mma(acc[2 * dq], a, bk[0], bk[1]);
+        E::mma(acc[2 * dq + 1], a, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();  // K free
+    if (next >= n_lo) {
+      load_kv(sK, kg, next);
+      cp_async_commit();
+    }
+    if (has_mask) cur ^= 1;
+    n = next;
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + half * 8;
+#pragma unroll
+    for (int t = 0; t < NTO; ++t) {
+      *reinterpret_cast<uint32_t*>(sQ + TileQ::off(r, t * 8 + 2 * tq)) =
+          E::pack(acc[t][2 * half] * p.scale, acc[t][2 * half + 1] * p.scale);
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(dqp.dq) + s.q_offset(b, h) + m0 * q_rs;
+  store_tile<BM, D, NT>(out, sQ, q_rs, Lq - m0, tid);
+}
+
+}  // namespace dmattn::cuda

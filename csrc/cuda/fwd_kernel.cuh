@@ -1,0 +1,395 @@
+// Forward kernel: FlashAttention-2 style, one CTA per (query block, head, batch).
+//
+// Per key block n (walked from the last visible block down to the first):
+//   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)
+//   softcap, then -inf where not visible (mask, lengths, diagonal window)
+//   online softmax in fp32 with exp2, O += P V
+// K/V/bias tiles stream through cp.async (K and bias of block n-1 load while P V of block n runs,
+// V of block n while Q K^T runs). With a mask, the mask tile of the next candidate block is
+// prefetched and OR-reduced over the CTA (__syncthreads_or) before its K/V/bias are requested:
+// an all-false tile costs neither loads nor GEMMs. The analytic bounds (lengths, causal/window)
+// limit the key-block range before any mask is read.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/kernel_params.h"
+#include "cuda/kernel_utils.cuh"
+
+namespace dmattn::cuda {
+
+template <int D_, int BM_, int BN_, int NW_>
+struct FwdTraits {
+  static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+  static constexpr int kNT = NW * 32;
+  static constexpr int kRowsPerWarp = BM / NW;
+  static constexpr int MT = kRowsPerWarp / 16;  // 16-row MMA tiles per warp
+  static constexpr int NTS = BN / 8;            // 8-col tiles of S
+  static constexpr int NTO = D / 8;             // 8-col tiles of O
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns a multiple of 16 query rows");
+  static_assert(BN % 16 == 0 && D % 32 == 0, "tile shapes");
+
+  static constexpr int kBiasPitch = BN + 8;   // elements (keeps 16-byte rows, no bank conflicts)
+  static constexpr int kMaskPitch = BN + 16;  // bytes
+
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + BM * D * 2;
+  static constexpr int kOffV = kOffK + BN * D * 2;
+  static constexpr int kOffBias = kOffV + BN * D * 2;
+  static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
+  static constexpr int kMaskTile = BM * kMaskPitch;
+  static constexpr int kSmem = kOffMask + 2 * kMaskTile;
+};
+
+template <typename Tr, typename T>
+__global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
+  using namespace detail;
+  using E = Elem<T>;
+  constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
+  constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
+  using TileQ = SwizzledTile<BM, D>;
+  using TileKV = SwizzledTile<BN, D>;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
+  T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
+  T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
+  T* sBias = reinterpret_cast<T*>(smem + Tr::kOffBias);
+  uint8_t* sMask = smem + Tr::kOffMask;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const AttentionShape& s = p.s;
+
+  const int H = static_cast<int>(s.num_heads);
+  const int64_t bid = blockIdx.x;
+  const int m_block = p.m_blocks - 1 - static_cast<int>(bid % p.m_blocks);
+  const int64_t bh = bid / p.m_blocks;
+  const int h = static_cast<int>(bh % H);
+  const int64_t b = bh / H;
+  const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
+  const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
+  const Band band = make_band(s);
+  const int Lq = static_cast<int>(s.seqlen_q);
+  const int m0 = m_block * BM;
+
+  const int64_t q_rs = s.q_row_stride();
+  const int64_t kv_rs = s.kv_row_stride();
+  const T* qg = static_cast<const T*>(p.q) + s.q_offset(b, h) + m0 * q_rs;
+  const T* kg = static_cast<const T*>(p.k) + s.kv_offset(b, hk);
+  const T* vg = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
+
+  const bool has_mask = p.mask != nullptr;
+  const bool has_bias = p.bias != nullptr;
+  const bool mask_one_row = s.mask.row_stride == 0;
+  const bool bias_one_row = s.bias.row_stride == 0;
+  const uint8_t* mg = has_mask ? p.mask + s.mask.offset(s.batch, b, h) + m0 * s.mask.row_stride
+                               : nullptr;
+  const T* bg = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
+                               m0 * s.bias.row_stride
+                         : nullptr;
+  const int valid_q = L.q_len - m0;  // rows of this block that exist for this batch
+
+  // Key-block range from lengths and the diagonal window alone.
+  int n_lo = 0, n_hi = 0;
+  {
+    const int row_last = min(m0 + BM, L.q_len) - 1;
+    if (row_last >= m0 && L.kv_len > 0) {
+      int64_t lo = static_cast<int64_t>(m0) + band.dmin;
+      int64_t hi = static_cast<int64_t>(row_last) + band.dmax + 1;
+      lo = lo < 0 ? 0 : lo;
+      hi = hi > L.kv_len ? L.kv_len : hi;
+      if (hi > lo) {
+        n_lo = static_cast<int>(lo / BN);
+        n_hi = static_cast<int>((hi + BN - 1) / BN);
+      }
+    }
+  }
+
+  auto load_mask = [&](int n, int buf) {
+    load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
+        sMask + buf * Tr::kMaskTile, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride,
+        s.mask.row_stride, s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec,
+        mask_one_row, tid);
+  };
+  auto load_bias = [&](int n) {
+    load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
+        sBias, bg + static_cast<int64_t>(n) * BN * s.bias.col_stride, s.bias.row_stride,
+        s.bias.col_stride, valid_q, L.kv_len - n * BN, p.bias_vec, bias_one_row, tid);
+  };
+  auto load_kv = [&](T* dst, const T* src, int n) {
+    load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
+                               L.kv_len - n * BN, tid);
+  };
+  const int mask_rows = mask_one_row ? 1 : BM;
+
+  // ---- prologue -------------------------------------------------------------------------
+  load_tile_async<BM, D, NT>(sQ, qg, q_rs, valid_q, tid);
+  cp_async_commit();
+
+  int n = n_hi - 1;
+  int cur = 0;  // mask buffer holding the mask of block n
+  if (has_mask) {
+    while (n >= n_lo) {
+      load_mask(n, cur);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
+      --n;
+    }
+  }
+  if (n >= n_lo) {
+    load_kv(sK, kg, n);
+    if (has_bias) load_bias(n);
+    cp_async_commit();
+  }
+
+  float o[MT][NTO][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NTO; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][t][e] = 0.f;
+  float row_m[2 * MT], row_l[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) {
+    row_m[r] = -INFINITY;
+    row_l[r] = 0.f;
+  }
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+
+  // ---- main loop over visible, non-empty key blocks ----------------------------------------
+  while (n >= n_lo) {
+    const int n0 = n * BN;
+    const bool cand = has_mask && (n - 1 >= n_lo);
+    if (cand) {
+      load_mask(n - 1, cur ^ 1);
+      cp_async_commit();
+    }
+    if (cand) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // K(n), bias(n) (and Q) visible
+    load_kv(sV, vg, n);
+    cp_async_commit();
+
+    // S = bias / scale + Q K^T
+    float sc[MT][NTS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp_row0 + mt * 16 + g + half * 8;
+        const int rr = bias_one_row ? 0 : r;
+#pragma unroll
+        for (int t = 0; t < NTS; ++t) {
+          float2 bv = make_float2(0.f, 0.f);
+          if (has_bias) {
+            const uint32_t u =
+                *reinterpret_cast<const uint32_t*>(sBias + rr * Tr::kBiasPitch + t * 8 + 2 * tq);
+            bv = E::unpack(u);
+            bv.x *= p.bias_mul;
+            bv.y *= p.bias_mul;
+          }
+          sc[mt][t][2 * half] = bv.x;
+          sc[mt][t][2 * half + 1] = bv.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r = warp_row0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldsm_x4(a[mt], smem_u32(sQ + TileQ::off(r, ks * 16 + (lane >> 4) * 8)));
+      }
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bk[4];
+        const int kr = np * 16 + (lane & 7) + (lane >> 4) * 8;
+        ldsm_x4(bk, smem_u32(sK + TileKV::off(kr, ks * 16 + ((lane >> 3) & 1) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          E::mma(sc[mt][2 * np], a[mt], bk[0], bk[1]);
+          E::mma(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // softcap, then visibility
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < NTS; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sc[mt][t][e] = p.softcap * accurate_tanh(sc[mt][t][e] * p.softcap_in);
+    }
+    const bool need_bounds =
+        (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
+        (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
+        (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
+    if (has_mask || need_bounds) {
+      const uint8_t* sm = sMask + cur * Tr::kMaskTile;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp_row0 + mt * 16 + g + half * 8;
+          const int i = m0 + r;
+          const int rr = mask_one_row ? 0 : r;
+#pragma unroll
+          for (int t = 0; t < NTS; ++t) {
+            const int c = t * 8 + 2 * tq;
+            bool v0 = true, v1 = true;
+            if (has_mask) {
+              const uint16_t mm =
+                  *reinterpret_cast<const uint16_t*>(sm + rr * Tr::kMaskPitch + c);
+              v0 = (mm & 0xff) != 0;
+              v1 = (mm >> 8) != 0;
+            }
+            if (need_bounds) {
+              const int j = n0 + c;
+              const bool row_ok = i < L.q_len;
+              const int dd = j - i;
+              v0 = v0 && row_ok && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+              v1 = v1 && row_ok && j + 1 < L.kv_len && dd + 1 >= band.dmin &&
+                   dd + 1 <= band.dmax;
+            }
+            if (!v0) sc[mt][t][2 * half] = -INFINITY;
+            if (!v1) sc[mt][t][2 * half + 1] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // next active block
+    int next = n - 1;
+    if (has_mask) {
+      if (cand) {
+        cp_async_wait<1>();
+        __syncthreads();
+        bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
+                                                    mask_rows, tid);
+        while (!act) {
+          --next;
+          if (next < n_lo) break;
+          load_mask(next, cur ^ 1);
+          cp_async_commit();
+          cp_async_wait<0>();
+          __syncthreads();
+          act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
+                                                 tid);
+        }
+      } else {
+        next = n_lo - 1;
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // V(n) visible; K and bias buffers free
+    if (next >= n_lo) {
+      load_kv(sK, kg, next);
+      if (has_bias) load_bias(next);
+      cp_async_commit();
+    }
+
+    // online softmax
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        float mx = row_m[r];
+#pragma unroll
+        for (int t = 0; t < NTS; ++t) {
+          mx = fmaxf(mx, fmaxf(sc[mt][t][2 * half], sc[mt][t][2 * half + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_sc = (mx == -INFINITY) ? 0.f : mx * p.softmax_mul;
+        const float corr = fast_exp2(row_m[r] * p.softmax_mul - m_sc);
+        row_m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < NTS; ++t) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(sc[mt][t][2 * half + e] * p.softmax_mul - m_sc);
+            sc[mt][t][2 * half + e] = pv;
+            sum += pv;
+          }
+        }
+        row_l[r] = row_l[r] * corr + sum;
+#pragma unroll
+        for (int t = 0; t < NTO; ++t) {
+          o[mt][t][2 * half] *= corr;
+          o[mt][t][2 * half + 1] *= corr;
+        }
+      }
+    }
+
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = E::pack(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+        a[mt][1] = E::pack(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+        a[mt][2] = E::pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+        a[mt][3] = E::pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+      }
+      const int vr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldsm_x4_t(bv, smem_u32(sV + TileKV::off(vr, dp * 16 + (lane >> 4) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          E::mma(o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          E::mma(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+
+    if (has_mask) cur ^= 1;
+    n = next;
+  }
+
+  // ---- epilogue ---------------------------------------------------------------------------
+  cp_async_wait<0>();
+  __syncthreads();  // all reads of sQ done, no copy in flight
+  float* lse_g = p.lse + s.lse_offset(b, h);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * mt + half;
+      float l = row_l[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int rl = warp_row0 + mt * 16 + g + half * 8;
+      if (tq == 0 && m0 + rl < Lq) {
+        lse_g[m0 + rl] = l > 0.f ? row_m[r] * p.lse_mul + logf(l) : -INFINITY;
+      }
+#pragma unroll
+      for (int t = 0; t < NTO; ++t) {
+        *reinterpret_cast<uint32_t*>(sQ + TileQ::off(rl, t * 8 + 2 * tq)) =
+            E::pack(o[mt][t][2 * half] * inv, o[mt][t][2 * half + 1] * inv);
+      }
+    }
+  }
+  __syncthreads();
+  T* og = static_cast<T*>(p.out) + s.q_offset(b, h) + m0 * q_rs;
+  store_tile<BM, D, NT>(og, sQ, q_rs, Lq - m0, tid);
+}
+
+}  // namespace dmattn::cuda

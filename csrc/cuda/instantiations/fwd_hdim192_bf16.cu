@@ -1,0 +1,6 @@
+// One compiled (direction, head dim, dtype) set; the file name is what CMake selects on.
+#include "cuda/launch_template.cuh"
+
+namespace dmattn::cuda {
+DMATTN_INSTANTIATE_FWD(192, __nv_bfloat16)
+}  // namespace dmattn::cuda

@@ -1,0 +1,85 @@
+// Kernel-side parameter blocks (host and device). Built by launch.cu from the AttentionShape and
+// the call's pointers; passed to the kernels by value (__grid_constant__).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace dmattn::cuda {
+
+struct FwdParams {
+  AttentionShape s;
+  const void* q;
+  const void* k;
+  const void* v;
+  const uint8_t* mask;  // null when absent
+  const void* bias;     // null when absent
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  void* out;
+  float* lse;
+
+  int m_blocks;
+  // The accumulator holds acc = q.k + bias / scale, so the logit is z = scale * acc. Without a
+  // softcap the score array keeps acc; with one it keeps s = softcap * tanh(acc * softcap_in).
+  float bias_mul;     // 1 / scale
+  float softcap_in;   // scale / softcap
+  float softcap;      // 0: none
+  float softmax_mul;  // log2(e) * scale, or log2(e) when softcapped
+  float lse_mul;      // scale, or 1 when softcapped: natural-log units of the row max
+  bool mask_vec;      // mask tiles can use 16-byte cp.async
+  bool bias_vec;      // bias tiles can use 16-byte cp.async
+};
+
+// dbias handling in the backward.
+enum DbiasMode : int {
+  kDbiasNone = 0,
+  kDbiasDirect = 1,  // each dbias element is owned by one CTA: plain stores of bf16/fp16
+  kDbiasAtomic = 2,  // fp32 atomics into a workspace of bias.num_elements, then a convert pass
+};
+
+struct BwdParams {
+  AttentionShape s;
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;
+  const float* softmax_d;  // rowsum(dout*out) - dlse, [*batch, H, Lq]
+  const uint8_t* mask;
+  const void* bias;
+  const int32_t* q_lens;
+  const int32_t* kv_lens;
+  float* dq_accum;  // [*batch, Lq, H, D] fp32 (zeroed by the launcher)
+  void* dk;
+  void* dv;
+  void* dbias;        // dbias in the bias dtype (direct mode)
+  float* dbias_accum;  // fp32 workspace (atomic mode)
+
+  // dk / dv slots: the CTA for (n_block, kv head, class) sums over the `members` batches of its
+  // class and the query heads of its kv head's group. Batch dim d is a member dim when
+  // member_dim[d] (dk/dv broadcast over it).
+  BatchStrides dkv_batch;
+  int member_dim[kMaxBatchDims];
+  int64_t kv_classes;
+  int64_t kv_members;
+
+  int n_blocks;
+  int dbias_mode;
+  // Bias addressing for dbias (strides of the dbias operand; equal to the bias's).
+  BroadcastOperand dbias_op;
+
+  float bias_mul;     // as in FwdParams
+  float softcap_in;
+  float softcap;
+  float softmax_mul;
+  float scale;
+  bool mask_vec;
+  bool bias_vec;
+  bool compute_dq;  // false: a separate deterministic dq kernel runs
+};
+
+}  // namespace dmattn::cuda

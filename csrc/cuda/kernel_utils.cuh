@@ -1,0 +1,294 @@
+// Device primitives shared by the forward and backward kernels: SM80 tensor-core MMA
+// (mma.sync m16n8k16, fp32 accumulate), ldmatrix, cp.async with zero-fill, the swizzled
+// shared-memory tile layout, and the predicated loaders for the broadcast mask / bias tiles.
+//
+// The instructions are issued through inline PTX (the same instructions CuTe's SM80 atoms wrap);
+// the index math is explicit so that each translation unit compiles in well under a minute.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace dmattn::cuda::detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ------------------------------------------------------------------------------------------
+// Element types
+// ------------------------------------------------------------------------------------------
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+    return __bfloat1622float2(v);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
+    return __float2bfloat16_rn(x);
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __half2 v = *reinterpret_cast<__half2*>(&u);
+    return __half22float2(v);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// Shared memory, ldmatrix, cp.async
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte async copy; bytes beyond src_bytes (0..16) are zero-filled and never read.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+// 4-byte async copy with zero-fill.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh through exp2: accurate to a few ulp of 1 (the approx tanh instruction is ~2^-11).
+__device__ __forceinline__ float accurate_tanh(float x) {
+  const float e = fast_exp2(2.f * kLog2e * x);
+  return 1.f - __fdividef(2.f, e + 1.f);
+}
+
+// ------------------------------------------------------------------------------------------
+// Swizzled tile of ROWS x COLS 16-bit elements, COLS a multiple of 32.
+//
+// Stored as COLS/KB column blocks of [ROWS][KB]; inside a block the 16-byte chunk index is
+// XOR-ed with a function of the row, so the 8 row addresses of one ldmatrix (8 consecutive
+// rows, same logical chunk) hit 8 distinct 16-byte bank groups.
+// ------------------------------------------------------------------------------------------
+template <int ROWS, int COLS>
+struct SwizzledTile {
+  static_assert(COLS % 32 == 0, "tile width must be a multiple of 32");
+  static constexpr int KB = (COLS % 64 == 0) ? 64 : 32;
+  static constexpr int kElems = ROWS * COLS;
+  static constexpr int kBytes = kElems * 2;
+  // Element offset of (r, c); c's chunk (c / 8) is swizzled, c % 8 kept.
+  static __device__ __forceinline__ int off(int r, int c) {
+    const int cb = c / KB;
+    const int cc = c % KB;
+    const int chunk = cc >> 3;
+    const int sw = (KB == 64) ? (r & 7) : ((r >> 1) & 3);
+    return cb * (ROWS * KB) + r * KB + ((chunk ^ sw) << 3) + (cc & 7);
+  }
+};
+
+// Loads a ROWS x COLS tile of a row-major [*, row_stride] 16-bit matrix into a swizzled tile;
+// rows >= valid_rows are zero-filled (their source is never read).
+template <int ROWS, int COLS, int NT, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride,
+                                                int valid_rows, int tid) {
+  using Tile = SwizzledTile<ROWS, COLS>;
+  constexpr int kChunksPerRow = COLS / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+  static_assert(kChunks % NT == 0, "tile chunks must divide among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / NT; ++i) {
+    const int id = tid + i * NT;
+    const int r = id / kChunksPerRow;
+    const int c = (id % kChunksPerRow) * 8;
+    const bool ok = r < valid_rows;
+    const T* src = ok ? gmem + r * row_stride + c : gmem;
+    cp_async16(smem_u32(smem + Tile::off(r, c)), src, ok ? 16 : 0);
+  }
+}
+
+// Stores a ROWS x COLS swizzled tile to a row-major matrix, rows < valid_rows only.
+template <int ROWS, int COLS, int NT, typename T>
+__device__ __forceinline__ void store_tile(T* gmem, const T* smem, int64_t row_stride,
+                                           int valid_rows, int tid) {
+  using Tile = SwizzledTile<ROWS, COLS>;
+  constexpr int kChunksPerRow = COLS / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+  static_assert(kChunks % NT == 0, "tile chunks must divide among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / NT; ++i) {
+    const int id = tid + i * NT;
+    const int r = id / kChunksPerRow;
+    const int c = (id % kChunksPerRow) * 8;
+    if (r < valid_rows) {
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + Tile::off(r, c));
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + c) = v;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Broadcast operand tiles (mask: 1-byte bool, bias: 16-bit), [ROWS][COLS] in shared memory
+// with a padded row pitch SROW (elements). Element (r, c) of the tile is
+// base[r * rs + c * cs] for r < valid_rows, c < valid_cols, zero elsewhere.
+// `vec`: cs == 1, rs and the base offset are multiples of 16 bytes; loads go through 16-byte
+// cp.async (async; visible after cp_async_wait + __syncthreads). Otherwise every element is
+// loaded with a plain predicated load and stored to shared memory right away (visible after
+// the next __syncthreads). With `one_row` (rs == 0) only row 0 is loaded.
+// ------------------------------------------------------------------------------------------
+template <int ROWS, int COLS, int SROW, int NT, typename E>
+__device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_t rs, int64_t cs,
+                                                  int valid_rows, int valid_cols, bool vec,
+                                                  bool one_row, int tid) {
+  const int rows = one_row ? 1 : ROWS;
+  if (one_row) valid_rows = valid_rows > 0 ? 1 : 0;
+  if (vec) {
+    constexpr int kPerChunk = 16 / sizeof(E);
+    constexpr int kChunksPerRow = COLS / kPerChunk;
+    const int chunks = rows * kChunksPerRow;
+    for (int id = tid; id < chunks; id += NT) {
+      const int r = id / kChunksPerRow;
+      const int c = (id % kChunksPerRow) * kPerChunk;
+      int n = valid_cols - c;
+      n = n < 0 ? 0 : (n > kPerChunk ? kPerChunk : n);
+      if (r >= valid_rows) n = 0;
+      const E* src = n > 0 ? base + r * rs + c : base;
+      cp_async16(smem_u32(smem + r * SROW + c), src, n * static_cast<int>(sizeof(E)));
+    }
+  } else {
+    const int elems = rows * COLS;
+    for (int id = tid; id < elems; id += NT) {
+      const int r = id / COLS;
+      const int c = id % COLS;
+      E v;
+      if (r < valid_rows && c < valid_cols) {
+        v = base[r * rs + c * cs];
+      } else {
+        v = E();
+        if constexpr (sizeof(E) == 2) {
+          *reinterpret_cast<uint16_t*>(&v) = 0;
+        } else {
+          *reinterpret_cast<uint8_t*>(&v) = 0;
+        }
+      }
+      smem[r * SROW + c] = v;
+    }
+  }
+}
+
+// CTA-wide OR over a byte tile ([rows][COLS] with pitch SROW, a multiple of 16). Contains a
+// __syncthreads (every thread of the CTA must call it).
+template <int COLS, int SROW, int NT>
+__device__ __forceinline__ bool tile_any(const uint8_t* smem, int rows, int tid) {
+  constexpr int kChunksPerRow = COLS / 16;
+  uint32_t acc = 0;
+  const int chunks = rows * kChunksPerRow;
+  for (int id = tid; id < chunks; id += NT) {
+    const int r = id / kChunksPerRow;
+    const int c = (id % kChunksPerRow) * 16;
+    const uint4 v = *reinterpret_cast<const uint4*>(smem + r * SROW + c);
+    acc |= v.x | v.y | v.z | v.w;
+  }
+  return __syncthreads_or(acc != 0) != 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// Batch / visibility helpers
+// ------------------------------------------------------------------------------------------
+struct SeqLens {
+  int q_len;
+  int kv_len;
+};
+
+__device__ __forceinline__ SeqLens seq_lens(const AttentionShape& s, const int32_t* q_lens,
+                                            const int32_t* kv_lens, int64_t b) {
+  SeqLens r{static_cast<int>(s.seqlen_q), static_cast<int>(s.seqlen_k)};
+  if (s.has_seqlens) {
+    const int64_t o = s.seqlens_batch.offset(s.batch, b);
+    if (q_lens != nullptr) {
+      const int v = q_lens[o];
+      r.q_len = v < 0 ? 0 : (v < r.q_len ? v : r.q_len);
+    }
+    if (kv_lens != nullptr) {
+      const int v = kv_lens[o];
+      r.kv_len = v < 0 ? 0 : (v < r.kv_len ? v : r.kv_len);
+    }
+  }
+  return r;
+}
+
+// Visibility of key j to query i from the diagonal/window rule: dmin <= j - i <= dmax.
+struct Band {
+  int dmin;  // INT_MIN / 2 when unbounded
+  int dmax;  // INT_MAX / 2 when unbounded
+};
+
+__device__ __forceinline__ Band make_band(const AttentionShape& s) {
+  Band b;
+  const int64_t lo = s.diagonal_offset - s.window_left;
+  const int64_t hi = s.diagonal_offset + s.window_right;
+  const int64_t big = (1ll << 30);
+  b.dmin = s.window_left < 0 ? -static_cast<int>(big)
+                             : static_cast<int>(lo < -big ? -big : (lo > big ? big : lo));
+  b.dmax = s.window_right < 0 ? static_cast<int>(big)
+                              : static_cast<int>(hi < -big ? -big : (hi > big ? big : hi));
+  return b;
+}
+
+}  // namespace dmattn::cuda::detail

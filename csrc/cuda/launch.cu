@@ -1,0 +1,306 @@
+// Host entry points: build the kernel parameter blocks from the AttentionShape and dispatch to
+// the compiled (head dim, dtype) instantiations. Never synchronises, never allocates: every
+// decision here depends on shapes and pointers only, so the launches are CUDA-graph safe.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/attention.h"
+#include "cuda/launch.h"
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// params.h may gain separate dk/dv batch strides (dk/dv full over a batch dim that k broadcasts
+// over) and a separate dbias operand; use them when present.
+template <class S>
+auto DkvStrides(const S& s, int) -> decltype(s.dkv_batch) {
+  return s.dkv_batch;
+}
+template <class S>
+BatchStrides DkvStrides(const S& s, long) {
+  return s.kv_batch;
+}
+template <class S>
+auto DbiasOperandImpl(const S& s, int) -> decltype(s.dbias) {
+  return s.dbias.present ? s.dbias : s.bias;
+}
+template <class S>
+BroadcastOperand DbiasOperandImpl(const S& s, long) {
+  return s.bias;
+}
+BroadcastOperand DbiasOperand(const AttentionShape& s) { return DbiasOperandImpl(s, 0); }
+
+bool Aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+// 16-byte cp.async is possible for every tile of the operand: contiguous columns and every row
+// start (batch, head and row offsets) a multiple of 16 bytes.
+bool VectorOk(const AttentionShape& s, const BroadcastOperand& op, const void* ptr,
+              int elem_bytes) {
+  if (ptr == nullptr || !op.present || op.col_stride != 1) return false;
+  const int64_t q = 16 / elem_bytes;
+  if (op.row_stride % q != 0 || op.head_stride % q != 0) return false;
+  for (int d = 0; d < s.batch.rank; ++d) {
+    if (op.batch.strides[d] % q != 0) return false;
+  }
+  return Aligned(ptr, 16);
+}
+
+void FillCommon(const AttentionShape& s, float* bias_mul, float* softcap_in, float* softcap,
+                float* softmax_mul) {
+  *bias_mul = s.scale != 0.f ? 1.f / s.scale : 0.f;
+  *softcap = s.softcap > 0.f ? s.softcap : 0.f;
+  *softcap_in = s.softcap > 0.f ? s.scale / s.softcap : 0.f;
+  *softmax_mul = s.softcap > 0.f ? kLog2e : s.scale * kLog2e;
+}
+
+struct Members {
+  int member_dim[kMaxBatchDims] = {0, 0, 0, 0};
+  int64_t members = 1;
+  int64_t classes = 1;
+};
+
+Members KvMembers(const AttentionShape& s) {
+  Members m;
+  const BatchStrides st = DkvStrides(s, 0);
+  for (int d = 0; d < s.batch.rank; ++d) {
+    if (st.strides[d] == 0 && s.batch.sizes[d] > 1) {
+      m.member_dim[d] = 1;
+      m.members *= s.batch.sizes[d];
+    } else {
+      m.classes *= s.batch.sizes[d];
+    }
+  }
+  return m;
+}
+
+// True when some dbias element receives contributions from more than one backward CTA, or from
+// pairs that are not consecutive in a CTA's walk (batch member outer, group head inner), or
+// when full query rows of one element come from more than one (batch, head) pair.
+bool DbiasNeedsWorkspace(const AttentionShape& s) {
+  if (!s.bias.present) return false;
+  const BroadcastOperand op = DbiasOperand(s);
+  if (op.col_stride == 0) return true;  // sums over keys span key blocks (CTAs)
+  const Members mem = KvMembers(s);
+  const int64_t G = s.num_heads / s.num_kv_heads;
+  const int64_t hpe = op.heads_per_entry;
+  if (!(hpe == 1 || hpe == G)) return true;  // one entry shared by several kv heads
+  bool member_bcast = false;
+  bool seen_member_bcast = false;
+  for (int d = 0; d < s.batch.rank; ++d) {
+    if (s.batch.sizes[d] <= 1) continue;
+    const bool bias_bcast = op.batch.strides[d] == 0;
+    if (bias_bcast && !mem.member_dim[d]) return true;  // shared across classes (CTAs)
+    if (mem.member_dim[d]) {
+      if (bias_bcast) {
+        member_bcast = true;
+        seen_member_bcast = true;
+      } else if (seen_member_bcast) {
+        return true;  // a shared dim outside a distinct one: runs not contiguous
+      }
+    }
+  }
+  const bool shared_by_group = hpe == G && G > 1;
+  if (op.row_stride != 0) return shared_by_group || member_bcast;  // full rows: no sharing
+  if (hpe == 1 && G > 1 && member_bcast) return true;
+  return false;
+}
+
+template <int D>
+cudaError_t ForwardD(const AttentionShape& shape, const FwdParams& p, cudaStream_t stream) {
+  if (shape.dtype == ElementType::kBFloat16) {
+#if defined(DMATTN_ENABLE_BF16)
+    return RunForward<D, __nv_bfloat16>(p, stream);
+#endif
+  } else if (shape.dtype == ElementType::kFloat16) {
+#if defined(DMATTN_ENABLE_FP16)
+    return RunForward<D, __half>(p, stream);
+#endif
+  }
+  return cudaErrorNotSupported;
+}
+
+template <int D>
+cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStream_t stream) {
+  if (shape.dtype == ElementType::kBFloat16) {
+#if defined(DMATTN_ENABLE_BF16)
+    return RunBackward<D, __nv_bfloat16>(l, stream);
+#endif
+  } else if (shape.dtype == ElementType::kFloat16) {
+#if defined(DMATTN_ENABLE_FP16)
+    return RunBackward<D, __half>(l, stream);
+#endif
+  }
+  return cudaErrorNotSupported;
+}
+
+}  // namespace
+
+bool SupportsHeadDim(int64_t head_dim) {
+  switch (head_dim) {
+#if defined(DMATTN_ENABLE_HDIM32)
+    case 32:
+#endif
+#if defined(DMATTN_ENABLE_HDIM64)
+    case 64:
+#endif
+#if defined(DMATTN_ENABLE_HDIM96)
+    case 96:
+#endif
+#if defined(DMATTN_ENABLE_HDIM128)
+    case 128:
+#endif
+#if defined(DMATTN_ENABLE_HDIM192)
+    case 192:
+#endif
+#if defined(DMATTN_ENABLE_HDIM256)
+    case 256:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape) {
+  return DbiasNeedsWorkspace(shape) ? DbiasOperand(shape).num_elements : 0;
+}
+
+cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
+  if (shape.dtype != ElementType::kBFloat16 && shape.dtype != ElementType::kFloat16) {
+    return cudaErrorNotSupported;
+  }
+  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  FwdParams p{};
+  p.s = shape;
+  p.q = args.q;
+  p.k = args.k;
+  p.v = args.v;
+  p.mask = shape.mask.present ? reinterpret_cast<const uint8_t*>(args.mask) : nullptr;
+  p.bias = shape.bias.present ? args.bias : nullptr;
+  p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
+  p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
+  p.out = args.out;
+  p.lse = args.lse;
+  FillCommon(shape, &p.bias_mul, &p.softcap_in, &p.softcap, &p.softmax_mul);
+  p.lse_mul = shape.softcap > 0.f ? 1.f : shape.scale;
+  p.mask_vec = VectorOk(shape, shape.mask, p.mask, 1);
+  p.bias_vec = VectorOk(shape, shape.bias, p.bias, 2);
+  if (!p.mask) p.s.mask.present = false;
+  if (!p.bias) p.s.bias.present = false;
+
+  switch (shape.head_dim) {
+#if defined(DMATTN_ENABLE_HDIM32)
+    case 32: return ForwardD<32>(shape, p, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM64)
+    case 64: return ForwardD<64>(shape, p, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM96)
+    case 96: return ForwardD<96>(shape, p, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM128)
+    case 128: return ForwardD<128>(shape, p, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM192)
+    case 192: return ForwardD<192>(shape, p, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM256)
+    case 256: return ForwardD<256>(shape, p, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream) {
+  if (shape.dtype != ElementType::kBFloat16 && shape.dtype != ElementType::kFloat16) {
+    return cudaErrorNotSupported;
+  }
+  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.softmax_d == nullptr) return cudaErrorInvalidValue;
+  BwdLaunch l;
+  BwdParams& p = l.p;
+  p = BwdParams{};
+  p.s = shape;
+  p.q = args.q;
+  p.k = args.k;
+  p.v = args.v;
+  p.dout = args.dout;
+  p.lse = args.lse;
+  p.softmax_d = args.softmax_d;
+  p.mask = shape.mask.present ? reinterpret_cast<const uint8_t*>(args.mask) : nullptr;
+  p.bias = shape.bias.present ? args.bias : nullptr;
+  p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
+  p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
+  p.dq_accum = static_cast<float*>(args.workspace[0]);
+  p.dk = args.dk;
+  p.dv = args.dv;
+  p.dbias = args.dbias;
+  p.dbias_accum = nullptr;
+  FillCommon(shape, &p.bias_mul, &p.softcap_in, &p.softcap, &p.softmax_mul);
+  p.scale = shape.scale;
+  p.mask_vec = VectorOk(shape, shape.mask, p.mask, 1);
+  p.bias_vec = VectorOk(shape, shape.bias, p.bias, 2);
+  if (!p.mask) p.s.mask.present = false;
+  if (!p.bias) p.s.bias.present = false;
+  p.compute_dq = !shape.deterministic;
+  if (p.compute_dq && p.dq_accum == nullptr) return cudaErrorInvalidValue;
+
+  const Members mem = KvMembers(shape);
+  p.dkv_batch = DkvStrides(shape, 0);
+  for (int d = 0; d < kMaxBatchDims; ++d) p.member_dim[d] = mem.member_dim[d];
+  p.kv_members = mem.members;
+  p.kv_classes = mem.classes;
+
+  p.dbias_mode = kDbiasNone;
+  if (p.bias != nullptr && args.dbias != nullptr) {
+    p.dbias_op = DbiasOperand(shape);
+    l.dbias_elems = p.dbias_op.num_elements;
+    if (DbiasNeedsWorkspace(shape)) {
+      p.dbias_mode = kDbiasAtomic;
+      p.dbias_accum = static_cast<float*>(args.workspace[1]);
+      if (p.dbias_accum == nullptr) return cudaErrorInvalidValue;
+    } else {
+      p.dbias_mode = kDbiasDirect;
+    }
+  }
+
+  l.out = args.out;
+  l.dlse = args.dlse;
+  l.softmax_d = args.softmax_d;
+  l.dq = args.dq;
+
+  switch (shape.head_dim) {
+#if defined(DMATTN_ENABLE_HDIM32)
+    case 32: return BackwardD<32>(shape, l, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM64)
+    case 64: return BackwardD<64>(shape, l, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM96)
+    case 96: return BackwardD<96>(shape, l, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM128)
+    case 128: return BackwardD<128>(shape, l, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM192)
+    case 192: return BackwardD<192>(shape, l, stream);
+#endif
+#if defined(DMATTN_ENABLE_HDIM256)
+    case 256: return BackwardD<256>(shape, l, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace dmattn::cuda

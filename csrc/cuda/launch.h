@@ -1,0 +1,34 @@
+// Declarations shared by launch.cu (dispatch) and the instantiation files (one launcher per
+// head dim and dtype). Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernel_params.h"
+
+namespace dmattn::cuda {
+
+// Everything the backward launcher needs beyond the kernel parameter block.
+struct BwdLaunch {
+  BwdParams p;
+  const void* out = nullptr;
+  const float* dlse = nullptr;
+  float* softmax_d = nullptr;
+  void* dq = nullptr;
+  int64_t dbias_elems = 0;
+};
+
+template <int D, typename T>
+cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);
+
+template <int D, typename T>
+cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream);
+
+// fp32 elements the backward needs in args.workspace[1] (0 when none): the dbias accumulator,
+// needed when some dbias element receives contributions from more than one CTA of the backward
+// (see DbiasNeedsWorkspace in launch.cu for the rule).
+int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape);
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,68 @@
+// CUDA FFI handlers: decode the call, launch on XLA's stream. Never synchronises; any CUDA error
+// comes back as an FFI error carrying CUDA's message.
+#include <string>
+
+#include "cuda/attention.h"
+#include "ffi/decode.h"
+#include "ffi/handlers.h"
+
+namespace dmattn {
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error CheckSupported(const AttentionShape& shape) {
+  if (shape.dtype == ElementType::kFloat32) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: CUDA kernels take float16 or bfloat16, not float32");
+  }
+  if (!cuda::SupportsHeadDim(shape.head_dim)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: no CUDA kernel compiled for head dim " +
+                          std::to_string(shape.head_dim));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaStatus(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_dmattn: CUDA error in ") + what + ": " +
+                              cudaGetErrorString(status));
+}
+
+ffi::Error CudaForward(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       AttentionAttrs attrs) {
+  AttentionShape shape;
+  ForwardArgs ptrs;
+  if (auto e = DecodeForward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
+  if (auto e = CheckSupported(shape); e.failure()) return e;
+  return CudaStatus(cuda::Forward(shape, ptrs, stream), "forward");
+}
+
+ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        AttentionAttrs attrs) {
+  AttentionShape shape;
+  BackwardArgs ptrs;
+  if (auto e = DecodeBackward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
+  if (auto e = CheckSupported(shape); e.failure()) return e;
+  return CudaStatus(cuda::Backward(shape, ptrs, stream), "backward");
+}
+
+}  // namespace
+}  // namespace dmattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCuda, dmattn::CudaForward,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<dmattn::AttentionAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<dmattn::AttentionAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

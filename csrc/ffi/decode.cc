@@ -1,0 +1,329 @@
+#include "ffi/decode.h"
+
+#include <string>
+
+namespace dmattn {
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_dmattn: " + message);
+}
+
+std::string DimsString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+bool SameDims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+// Hands out the call's buffers in order, naming each in errors.
+class ArgCursor {
+ public:
+  explicit ArgCursor(const ffi::RemainingArgs& args) : args_(args) {}
+  ffi::ErrorOr<ffi::AnyBuffer> Next(const char* name) {
+    if (next_ >= args_.size()) {
+      return ffi::Unexpected(Invalid(std::string("missing operand ") + name));
+    }
+    return args_.get<ffi::AnyBuffer>(next_++);
+  }
+  size_t consumed() const { return next_; }
+
+ private:
+  const ffi::RemainingArgs& args_;
+  size_t next_ = 0;
+};
+
+class RetCursor {
+ public:
+  explicit RetCursor(const ffi::RemainingRets& rets) : rets_(rets) {}
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> Next(const char* name) {
+    if (next_ >= rets_.size()) {
+      return ffi::Unexpected(Invalid(std::string("missing result ") + name));
+    }
+    return rets_.get<ffi::AnyBuffer>(next_++);
+  }
+  // Remaining results are platform workspaces.
+  ffi::Error Workspaces(void* (&out)[2]) {
+    for (int i = 0; next_ < rets_.size(); ++i) {
+      if (i == 2) return Invalid("too many workspace results");
+      auto ws = rets_.get<ffi::AnyBuffer>(next_++);
+      if (ws.has_error()) return ws.error();
+      out[i] = (*ws)->untyped_data();
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  const ffi::RemainingRets& rets_;
+  size_t next_ = 0;
+};
+
+#define DMATTN_ASSIGN_OR_RETURN(lhs, expr) \
+  auto lhs##_or = (expr);                  \
+  if (lhs##_or.has_error()) return lhs##_or.error(); \
+  auto lhs = *lhs##_or
+
+ffi::ErrorOr<ElementType> AttentionElementType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return ElementType::kFloat32;
+    case ffi::DataType::F16: return ElementType::kFloat16;
+    case ffi::DataType::BF16: return ElementType::kBFloat16;
+    default: return ffi::Unexpected(Invalid("q must be float32, float16 or bfloat16"));
+  }
+}
+
+// Natural strides over the problem's batch dims, 0 where the operand has size 1 (broadcast).
+ffi::ErrorOr<BatchStrides> BroadcastBatchStrides(ffi::AnyBuffer::Dimensions dims,
+                                                 const BatchShape& batch, const char* name) {
+  BatchStrides out;
+  int64_t stride = 1;
+  for (size_t d = batch.rank; d < dims.size(); ++d) stride *= dims[d];
+  for (int d = batch.rank - 1; d >= 0; --d) {
+    if (dims[d] != batch.sizes[d] && dims[d] != 1) {
+      return ffi::Unexpected(Invalid(std::string(name) + " batch dims " + DimsString(dims) +
+                                     " do not broadcast to the query's"));
+    }
+    out.strides[d] = dims[d] == 1 ? 0 : stride;
+    stride *= dims[d];
+  }
+  return out;
+}
+
+ffi::Error ExpectSameType(ffi::AnyBuffer x, ffi::DataType type, const char* name) {
+  if (x.element_type() != type) return Invalid(std::string(name) + " has the wrong dtype");
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         const AttentionAttrs& attrs, AttentionShape* s) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int64_t rank = qd.size();
+  if (rank < 3 || rank - 3 > kMaxBatchDims) {
+    return Invalid("q must have rank 3.." + std::to_string(3 + kMaxBatchDims) + ", got " +
+                   DimsString(qd));
+  }
+  if (static_cast<int64_t>(kd.size()) != rank || kd.size() != vd.size()) {
+    return Invalid("q, k, v ranks differ: " + DimsString(qd) + DimsString(kd) + DimsString(vd));
+  }
+  s->batch.rank = static_cast<int32_t>(rank - 3);
+  for (int d = 0; d < s->batch.rank; ++d) s->batch.sizes[d] = qd[d];
+  s->seqlen_q = qd[rank - 3];
+  s->num_heads = qd[rank - 2];
+  s->head_dim = qd[rank - 1];
+  s->seqlen_k = kd[rank - 3];
+  s->num_kv_heads = kd[rank - 2];
+  for (int64_t d = 0; d < rank; ++d) {
+    if (kd[d] != vd[d]) return Invalid("k and v shapes differ");
+  }
+  if (kd[rank - 1] != s->head_dim || s->num_kv_heads <= 0 || s->num_heads % s->num_kv_heads) {
+    return Invalid("k " + DimsString(kd) + " does not match q " + DimsString(qd));
+  }
+  if (s->seqlen_q <= 0 || s->seqlen_k <= 0 || s->head_dim <= 0) {
+    return Invalid("empty q or k: " + DimsString(qd) + DimsString(kd));
+  }
+  DMATTN_ASSIGN_OR_RETURN(dtype, AttentionElementType(q.element_type()));
+  s->dtype = dtype;
+  if (auto e = ExpectSameType(k, q.element_type(), "k"); e.failure()) return e;
+  if (auto e = ExpectSameType(v, q.element_type(), "v"); e.failure()) return e;
+  DMATTN_ASSIGN_OR_RETURN(kv_batch, BroadcastBatchStrides(kd, s->batch, "k"));
+  s->kv_batch = kv_batch;
+
+  s->scale = attrs.scale;
+  s->softcap = attrs.softcap;
+  s->diagonal_offset = attrs.diagonal_offset;
+  s->window_left = attrs.window_left;
+  s->window_right = attrs.window_right;
+  s->deterministic = attrs.deterministic;
+  return ffi::Error::Success();
+}
+
+// A mask or bias: [*batch|1, H|Hk|1, Lq|1, Lk|1].
+ffi::Error DecodeBroadcastOperand(ffi::AnyBuffer x, const AttentionShape& s, const char* name,
+                                  BroadcastOperand* op) {
+  const auto dims = x.dimensions();
+  const int r = s.batch.rank;
+  if (static_cast<int>(dims.size()) != r + 3) {
+    return Invalid(std::string(name) + " has rank " + std::to_string(dims.size()) +
+                   ", expected " + std::to_string(r + 3));
+  }
+  const int64_t heads = dims[r], rows = dims[r + 1], cols = dims[r + 2];
+  if ((heads != 1 && heads != s.num_kv_heads && heads != s.num_heads) ||
+      (rows != 1 && rows != s.seqlen_q) || (cols != 1 && cols != s.seqlen_k)) {
+    return Invalid(std::string(name) + " shape " + DimsString(dims) + " is not broadcastable");
+  }
+  DMATTN_ASSIGN_OR_RETURN(batch, BroadcastBatchStrides(dims, s.batch, name));
+  op->present = true;
+  op->batch = batch;
+  op->heads_per_entry = s.num_heads / heads;
+  op->head_stride = rows * cols;
+  op->row_stride = rows == 1 ? 0 : cols;
+  op->col_stride = cols == 1 ? 0 : 1;
+  op->num_elements = static_cast<int64_t>(x.element_count());
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, AttentionShape* s) {
+  for (auto lens : {q_lens, kv_lens}) {
+    if (lens.element_type() != ffi::DataType::S32 ||
+        static_cast<int>(lens.dimensions().size()) != s->batch.rank) {
+      return Invalid("sequence lengths must be int32 of the query's batch rank");
+    }
+  }
+  if (!SameDims(q_lens.dimensions(), kv_lens.dimensions())) {
+    return Invalid("q_lens and kv_lens shapes differ");
+  }
+  DMATTN_ASSIGN_OR_RETURN(strides, BroadcastBatchStrides(q_lens.dimensions(), s->batch, "lens"));
+  s->seqlens_batch = strides;
+  s->has_seqlens = true;
+  return ffi::Error::Success();
+}
+
+// The optional operands shared by forward and backward.
+ffi::Error DecodeOptionalOperands(ArgCursor& cursor, const AttentionAttrs& attrs,
+                                  ffi::DataType dtype, AttentionShape* s, const bool** mask,
+                                  const void** bias, const int32_t** q_lens,
+                                  const int32_t** kv_lens) {
+  if (attrs.has_mask) {
+    DMATTN_ASSIGN_OR_RETURN(m, cursor.Next("mask"));
+    if (m.element_type() != ffi::DataType::PRED) return Invalid("mask must be bool");
+    if (auto e = DecodeBroadcastOperand(m, *s, "mask", &s->mask); e.failure()) return e;
+    *mask = static_cast<const bool*>(m.untyped_data());
+  }
+  if (attrs.has_bias) {
+    DMATTN_ASSIGN_OR_RETURN(b, cursor.Next("bias"));
+    if (auto e = ExpectSameType(b, dtype, "bias"); e.failure()) return e;
+    if (auto e = DecodeBroadcastOperand(b, *s, "bias", &s->bias); e.failure()) return e;
+    *bias = b.untyped_data();
+  }
+  if (attrs.has_seqlens) {
+    DMATTN_ASSIGN_OR_RETURN(ql, cursor.Next("q_lens"));
+    DMATTN_ASSIGN_OR_RETURN(kl, cursor.Next("kv_lens"));
+    if (auto e = DecodeSeqlens(ql, kl, s); e.failure()) return e;
+    *q_lens = static_cast<const int32_t*>(ql.untyped_data());
+    *kv_lens = static_cast<const int32_t*>(kl.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpectLikeQ(ffi::AnyBuffer x, ffi::AnyBuffer q, const char* name) {
+  if (!SameDims(x.dimensions(), q.dimensions()) || x.element_type() != q.element_type()) {
+    return Invalid(std::string(name) + " must have q's shape and dtype");
+  }
+  return ffi::Error::Success();
+}
+
+// dk and dv: k's dims except batch dims, where they may be full although k broadcasts.
+ffi::Error DecodeKvGradient(ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer k,
+                            AttentionShape* s) {
+  const auto gd = dk.dimensions(), kd = k.dimensions();
+  bool ok = SameDims(gd, dv.dimensions()) && gd.size() == kd.size() &&
+            dk.element_type() == k.element_type() && dv.element_type() == k.element_type();
+  for (size_t d = s->batch.rank; ok && d < kd.size(); ++d) ok = gd[d] == kd[d];
+  if (!ok) return Invalid("dk/dv " + DimsString(gd) + " do not match k " + DimsString(kd));
+  auto strides = BroadcastBatchStrides(gd, s->batch, "dk");
+  if (strides.has_error()) return strides.error();
+  s->dkv_batch = *strides;
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpectLse(ffi::AnyBuffer x, const AttentionShape& s, const char* name) {
+  const auto dims = x.dimensions();
+  bool ok = x.element_type() == ffi::DataType::F32 &&
+            static_cast<int>(dims.size()) == s.batch.rank + 2 &&
+            dims[s.batch.rank] == s.num_heads && dims[s.batch.rank + 1] == s.seqlen_q;
+  for (int d = 0; ok && d < s.batch.rank; ++d) ok = dims[d] == s.batch.sizes[d];
+  return ok ? ffi::Error::Success()
+            : Invalid(std::string(name) + " must be float32 [*batch, H, Lq], got " +
+                      DimsString(dims));
+}
+
+}  // namespace
+
+ffi::Error DecodeForward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                         const AttentionAttrs& attrs, AttentionShape* s, ForwardArgs* p) {
+  ArgCursor in(args);
+  DMATTN_ASSIGN_OR_RETURN(q, in.Next("q"));
+  DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
+  DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
+  if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
+  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
+                                      &p->q_lens, &p->kv_lens);
+      e.failure()) {
+    return e;
+  }
+  if (in.consumed() != args.size()) return Invalid("unexpected extra operands");
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+
+  RetCursor out_cursor(rets);
+  DMATTN_ASSIGN_OR_RETURN(out, out_cursor.Next("out"));
+  DMATTN_ASSIGN_OR_RETURN(lse, out_cursor.Next("lse"));
+  if (auto e = ExpectLikeQ(*out, q, "out"); e.failure()) return e;
+  if (auto e = ExpectLse(*lse, *s, "lse"); e.failure()) return e;
+  p->out = out->untyped_data();
+  p->lse = static_cast<float*>(lse->untyped_data());
+  return out_cursor.Workspaces(p->workspace);
+}
+
+ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                          const AttentionAttrs& attrs, AttentionShape* s, BackwardArgs* p) {
+  ArgCursor in(args);
+  DMATTN_ASSIGN_OR_RETURN(q, in.Next("q"));
+  DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
+  DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
+  DMATTN_ASSIGN_OR_RETURN(out, in.Next("out"));
+  DMATTN_ASSIGN_OR_RETURN(dout, in.Next("dout"));
+  DMATTN_ASSIGN_OR_RETURN(lse, in.Next("lse"));
+  DMATTN_ASSIGN_OR_RETURN(dlse, in.Next("dlse"));
+  if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
+  for (auto [x, name] : {std::pair{out, "out"}, std::pair{dout, "dout"}}) {
+    if (auto e = ExpectLikeQ(x, q, name); e.failure()) return e;
+  }
+  if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
+  if (auto e = ExpectLse(dlse, *s, "dlse"); e.failure()) return e;
+  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
+                                      &p->q_lens, &p->kv_lens);
+      e.failure()) {
+    return e;
+  }
+  if (in.consumed() != args.size()) return Invalid("unexpected extra operands");
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->dout = dout.untyped_data();
+  p->lse = static_cast<const float*>(lse.untyped_data());
+  p->dlse = static_cast<const float*>(dlse.untyped_data());
+
+  RetCursor grads(rets);
+  DMATTN_ASSIGN_OR_RETURN(dq, grads.Next("dq"));
+  DMATTN_ASSIGN_OR_RETURN(dk, grads.Next("dk"));
+  DMATTN_ASSIGN_OR_RETURN(dv, grads.Next("dv"));
+  if (auto e = ExpectLikeQ(*dq, q, "dq"); e.failure()) return e;
+  if (auto e = DecodeKvGradient(*dk, *dv, k, s); e.failure()) return e;
+  p->dq = dq->untyped_data();
+  p->dk = dk->untyped_data();
+  p->dv = dv->untyped_data();
+  if (attrs.has_bias) {
+    DMATTN_ASSIGN_OR_RETURN(dbias, grads.Next("dbias"));
+    if (auto e = ExpectSameType(*dbias, q.element_type(), "dbias"); e.failure()) return e;
+    if (auto e = DecodeBroadcastOperand(*dbias, *s, "dbias", &s->dbias); e.failure()) return e;
+    p->dbias = dbias->untyped_data();
+  }
+  DMATTN_ASSIGN_OR_RETURN(softmax_d, grads.Next("softmax_d"));
+  if (auto e = ExpectLse(*softmax_d, *s, "softmax_d"); e.failure()) return e;
+  p->softmax_d = static_cast<float*>(softmax_d->untyped_data());
+  return grads.Workspaces(p->workspace);
+}
+
+}  // namespace dmattn

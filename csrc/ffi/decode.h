@@ -1,0 +1,48 @@
+// Decoding of an FFI call frame into the one params struct, for both platforms.
+//
+// Operand order (mirrored by jax_dmattn/ops.py):
+//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens]
+//            rets: out, lse, [platform workspaces]
+//   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens]
+//            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace dmattn {
+
+// The call's attributes; one FFI dictionary decoded as a struct.
+struct AttentionAttrs {
+  float scale;
+  float softcap;
+  int64_t diagonal_offset;
+  int64_t window_left;
+  int64_t window_right;
+  bool has_mask;
+  bool has_bias;
+  bool has_seqlens;
+  bool deterministic;
+};
+
+xla::ffi::Error DecodeForward(const xla::ffi::RemainingArgs& args,
+                              const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
+                              AttentionShape* shape, ForwardArgs* ptrs);
+
+xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
+                               const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
+                               AttentionShape* shape, BackwardArgs* ptrs);
+
+}  // namespace dmattn
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::dmattn::AttentionAttrs, ::xla::ffi::StructMember<float>("scale"),
+    ::xla::ffi::StructMember<float>("softcap"),
+    ::xla::ffi::StructMember<int64_t>("diagonal_offset"),
+    ::xla::ffi::StructMember<int64_t>("window_left"),
+    ::xla::ffi::StructMember<int64_t>("window_right"),
+    ::xla::ffi::StructMember<bool>("has_mask"), ::xla::ffi::StructMember<bool>("has_bias"),
+    ::xla::ffi::StructMember<bool>("has_seqlens"),
+    ::xla::ffi::StructMember<bool>("deterministic"));

@@ -1,0 +1,12 @@
+// The FFI handler symbols the nanobind module exports as capsules.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DmattnForwardCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DmattnBackwardCpu);
+
+#if defined(DMATTN_WITH_CUDA)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DmattnForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DmattnBackwardCuda);
+#endif

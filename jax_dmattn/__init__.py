@@ -1,0 +1,36 @@
+"""Flash Dynamic Mask Attention for JAX.
+
+Fused kernels for ``softmax(scale · Q Kᵀ + bias, masked) V`` with a broadcastable boolean mask
+and a trainable additive bias, skipping every tile the mask hides; differentiable and usable under
+``jit``, ``grad``, ``vmap``, ``pmap``, ``shard_map`` and sharded ``jit``.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from jax_dmattn import reference
+from jax_dmattn.attention import dot_product_attention, flash_dmattn
+from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams
+
+try:
+    __version__ = version("jax_dmattn")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0+local"
+
+
+def available_implementations() -> tuple[str, ...]:
+    """Implementations this build can run: ``xla`` always, ``cpu``, and ``cuda`` if compiled."""
+    from jax_dmattn import _ffi
+
+    return tuple(i for i in IMPLEMENTATIONS if i != "cuda" or _ffi.has_cuda_kernels())
+
+
+__all__ = [
+    "AttentionParams",
+    "__version__",
+    "available_implementations",
+    "dot_product_attention",
+    "flash_dmattn",
+    "reference",
+]

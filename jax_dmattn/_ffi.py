@@ -1,0 +1,123 @@
+"""The compiled extension: FFI target registration and build facts."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+FORWARD_TARGET = "dmattn_fwd"
+BACKWARD_TARGET = "dmattn_bwd"
+
+
+@functools.cache
+def _extension() -> Any:
+    from jax_dmattn import _dmattn  # the nanobind module built by CMake
+
+    return _dmattn
+
+
+@functools.cache
+def register_targets() -> frozenset[str]:
+    """Registers the handlers with XLA once; returns the platforms that have kernels."""
+    platforms = _extension().registrations()
+    for platform, targets in platforms.items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    return frozenset(p.lower() for p in platforms)
+
+
+@functools.cache
+def build_info() -> dict[str, Any]:
+    """Facts about the compiled kernels: CUDA presence, head dims, archs, dtypes."""
+    return dict(_extension().build_info())
+
+
+def has_cuda_kernels() -> bool:
+    return bool(build_info()["cuda"])
+
+
+def cuda_head_dims() -> tuple[int, ...]:
+    return tuple(build_info()["cuda_head_dims"])
+
+
+def cuda_dtypes() -> tuple[str, ...]:
+    names = {"bf16": "bfloat16", "fp16": "float16"}
+    return tuple(names[d] for d in build_info()["cuda_dtypes"].split(",") if d)
+
+
+# ---- calls ----------------------------------------------------------------------------------
+# Operand order and workspaces mirror csrc/ffi/decode.h. Every operand has the same number of
+# leading batch dims (size 1 where it broadcasts); the kernels take at most MAX_BATCH_DIMS of them,
+# so neighbouring dims that every operand treats alike are merged first (a free reshape).
+
+MAX_BATCH_DIMS = 4
+
+
+def _batch_groups(batch_shapes: list[tuple[int, ...]], full: tuple[int, ...]) -> list[list[int]]:
+    """Groups of neighbouring non-trivial batch dims with one broadcast pattern across operands."""
+    groups: list[list[int]] = []
+    last_pattern = None
+    for d, size in enumerate(full):
+        if size == 1:
+            continue
+        pattern = tuple(shape[d] == size for shape in batch_shapes)
+        if groups and pattern == last_pattern and groups[-1][-1] == d - 1:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+        last_pattern = pattern
+    if len(groups) > MAX_BATCH_DIMS:
+        raise NotImplementedError(
+            f"jax_dmattn: batch dims {full} broadcast in more than {MAX_BATCH_DIMS} different "
+            "ways across operands (deeply nested vmap); broadcast some operands explicitly")
+    return groups
+
+
+def _merged(shape: tuple[int, ...], num_batch: int, groups: list[list[int]]) -> tuple[int, ...]:
+    merged = [int(np.prod([shape[d] for d in g])) for g in groups]
+    return (*merged, *shape[num_batch:])
+
+
+def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], object]],
+          num_batch: int, attrs: dict) -> list:
+    """Calls `target` with batch dims merged; returns results in their unmerged shapes."""
+    full = tuple(operands[0].shape[:num_batch])
+    batch_shapes = [tuple(x.shape[:num_batch]) for x in operands]
+    batch_shapes += [tuple(shape[:num_batch]) for shape, _ in results]
+    groups = _batch_groups(batch_shapes, full)
+    args = [x.reshape(_merged(x.shape, num_batch, groups)) for x in operands]
+    result_types = [jax.ShapeDtypeStruct(_merged(shape, num_batch, groups), dtype)
+                    for shape, dtype in results]
+    outs = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
+    return [o.reshape(shape) for o, (shape, _) in zip(outs, results, strict=True)]
+
+
+def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
+    """``[out, lse]`` from the platform's forward kernel."""
+    register_targets()
+    num_batch = q.ndim - 3
+    *batch, seqlen_q, heads, _ = q.shape
+    results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
+    outs = _call(FORWARD_TARGET, [q, k, v, *extras], results, num_batch,
+                 params.ffi_attributes(**opts._asdict()))
+    return outs[:2]
+
+
+def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
+                  grad_shapes) -> list:
+    """``[dq, dk, dv, (dbias)]`` from the platform's backward kernel.
+
+    ``grad_shapes``: the shapes of dk, dv (and dbias), which differ from the inputs' under vmap.
+    """
+    register_targets()
+    num_batch = q.ndim - 3
+    grads = [(q.shape, q.dtype)] + [(shape, q.dtype) for shape in grad_shapes]
+    workspaces = [(lse.shape, np.float32)]  # softmax_d
+    if platform == "cuda":
+        workspaces.append((q.shape, np.float32))  # dq accumulator
+    outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
+                 num_batch, params.ffi_attributes(**opts._asdict()))
+    return outs[:len(grads)]

@@ -1,0 +1,130 @@
+"""The public front ends: ``flash_dmattn`` and the ``jax.nn.dot_product_attention`` drop-in.
+
+Both validate their arguments at trace time, normalise them to the one operation of ``core`` and
+differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dmattn import core, validation
+from jax_dmattn.params import AttentionParams
+
+
+def flash_dmattn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Flash Dynamic Mask Attention: ``softmax(scale · Q Kᵀ + bias, masked) V``.
+
+    Args:
+      query: ``[B, Lq, H, D]``, float16 or bfloat16 (float32 too on ``cpu`` and ``xla``).
+      key, value: ``[B, Lk, Hk, D]`` of query's dtype, ``H % Hk == 0``; query head ``h`` reads
+        kv head ``h // (H // Hk)``.
+      mask: optional bool ``[B|1, H|Hk|1, Lq|1, Lk|1]``, True = attend; size-1 dims broadcast
+        without copies. Tiles where it is all False are skipped.
+      bias: optional floating array of the mask's shape rule, added to the logits; differentiable
+        (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
+      scale: logit scale, default ``1 / sqrt(D)``.
+      is_causal: bottom-right aligned: key ``j`` is visible to query ``i`` iff
+        ``j <= i + (Lk - Lq)``.
+      softcap: ``None`` or ``> 0``: logits become ``softcap · tanh(logits / softcap)``.
+      deterministic: bitwise reproducible gradients.
+      return_lse: also return ``lse [B, H, Lq]`` float32 (natural log; ``-inf`` for a row with no
+        visible key).
+      implementation: ``None`` (best for the platform), ``"cuda"``, ``"cpu"`` or ``"xla"``.
+
+    Returns:
+      ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key
+      gives zeros and zero gradients.
+    """
+    validation.check_implementation(implementation)
+    q, k, v = validation.check_qkv(query, key, value, implementation)
+    dims = validation.dims_of(q, k)
+    params = AttentionParams(
+        scale=validation.check_scale(scale, dims.head_dim),
+        softcap=validation.check_softcap(softcap),
+        diagonal_offset=dims.seqlen_k - dims.seqlen_q if is_causal else 0,
+        window_right=0 if is_causal else -1,
+        deterministic=bool(deterministic),
+        implementation=implementation,
+    )
+    out, lse = core.attention(params, q, k, v, validation.check_mask(mask, dims),
+                              validation.check_bias(bias, dims, q.dtype))
+    return (out, lse) if return_lse else out
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics.
+
+    Shapes: query ``[B, T, N, H]`` or ``[T, N, H]``, key/value ``[B, S, K, H]`` or ``[S, K, H]``;
+    bias and mask broadcastable to ``[B, N, T, S]`` (each dim full or 1); sequence lengths int32
+    ``[B]``. ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
+    ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
+    ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
+    ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
+    visible key gives zeros (and residual ``-inf``), and masked tiles are skipped.
+
+    Returns:
+      the output of query's shape, and with ``return_residual`` the log-sum-exp ``[B, T, N]``
+      (``[T, N]`` for 3-D inputs).
+    """
+    validation.check_implementation(implementation)
+    unbatched = jnp.ndim(query) == 3
+    if unbatched:
+        query, key, value = (jnp.expand_dims(jnp.asarray(x), 0) for x in (query, key, value))
+    q, k, v = validation.check_qkv(query, key, value, implementation)
+    dims = validation.dims_of(q, k)
+
+    def as_4d(x):
+        return None if x is None else jnp.reshape(x, (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
+
+    mask = validation.check_mask(as_4d(mask), dims)
+    bias = validation.check_bias(as_4d(bias), dims, q.dtype)
+    q_lens = validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", dims.batch)
+    kv_lens = validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths",
+                                           dims.batch)
+    if (q_lens is None) != (kv_lens is None):
+        q_lens = jnp.full((dims.batch,), dims.seqlen_q, jnp.int32) if q_lens is None else q_lens
+        kv_lens = jnp.full((dims.batch,), dims.seqlen_k, jnp.int32) if kv_lens is None else kv_lens
+    left, right = validation.check_window(local_window_size)
+    if is_causal:
+        right = 0
+    params = AttentionParams(
+        scale=validation.check_scale(scale, dims.head_dim),
+        window_left=left,
+        window_right=right,
+        implementation=implementation,
+    )
+    out, lse = core.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, -1, -2)

@@ -1,0 +1,189 @@
+"""The forward and backward attention primitives: shapes, and lowering to a kernel per platform.
+
+Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
+  forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens]`` -> ``out, lse``
+  backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens]``
+           -> ``dq, dk, dv, [dbias]``
+k, v, mask, bias and the lengths may have size 1 on any batch dim (read with stride 0, never
+copied). Gradients are per example over the vmap dims and summed over the API broadcast dims, so
+dk/dv have the full batch dims and dbias has the bias's shape with full vmap dims.
+
+Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
+bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
+pure-JAX reference. Kernel calls go through ``sharding`` so that sharded inputs stay sharded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_dmattn import _ffi, reference
+from jax_dmattn.params import AttentionParams
+
+forward_p = Primitive("dmattn_fwd")
+forward_p.multiple_results = True
+backward_p = Primitive("dmattn_bwd")
+backward_p.multiple_results = True
+
+
+class Optionals(NamedTuple):
+    """Which optional operands a call carries (static)."""
+
+    has_mask: bool
+    has_bias: bool
+    has_seqlens: bool
+
+    @classmethod
+    def of(cls, mask, bias, q_lens) -> Optionals:
+        return cls(mask is not None, bias is not None, q_lens is not None)
+
+    def split(self, extras: Sequence) -> tuple:
+        """``[mask], [bias], [q_lens, kv_lens]`` -> ``(mask, bias, q_lens, kv_lens)`` with Nones."""
+        extras = list(extras)
+        mask = extras.pop(0) if self.has_mask else None
+        bias = extras.pop(0) if self.has_bias else None
+        q_lens, kv_lens = (extras.pop(0), extras.pop(0)) if self.has_seqlens else (None, None)
+        assert not extras
+        return mask, bias, q_lens, kv_lens
+
+
+def _present(*xs):
+    return [x for x in xs if x is not None]
+
+
+def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None):
+    """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``."""
+    opts = Optionals.of(mask, bias, q_lens)
+    return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens), params=params, opts=opts)
+
+
+def backward(params: AttentionParams, q, k, v, out, dout, lse, dlse, mask=None, bias=None,
+             q_lens=None, kv_lens=None):
+    """``(dq, dk, dv, dbias)``; dbias is None without a bias."""
+    opts = Optionals.of(mask, bias, q_lens)
+    grads = backward_p.bind(q, k, v, out, dout, lse, dlse,
+                            *_present(mask, bias, q_lens, kv_lens), params=params, opts=opts)
+    return (*grads, None) if not opts.has_bias else tuple(grads)
+
+
+# ---- shapes ---------------------------------------------------------------------------------
+
+def lse_shape(q_shape: Sequence[int]) -> tuple[int, ...]:
+    *batch, seqlen_q, heads, _ = q_shape
+    return (*batch, heads, seqlen_q)
+
+
+def gradient_shape(x_shape: Sequence[int], q_shape: Sequence[int], api_batch_dims: int) -> tuple:
+    """A gradient's shape: full over the vmap batch dims, the input's own dims elsewhere."""
+    vmap_dims = len(q_shape) - 3 - api_batch_dims
+    return (*q_shape[:vmap_dims], *x_shape[vmap_dims:])
+
+
+def _forward_abstract_eval(q, k, v, *extras, params, opts):
+    return (jax.core.ShapedArray(q.shape, q.dtype),
+            jax.core.ShapedArray(lse_shape(q.shape), jnp.float32))
+
+
+def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
+    _, bias, _, _ = opts.split(extras)
+    grads = [jax.core.ShapedArray(q.shape, q.dtype),
+             jax.core.ShapedArray(gradient_shape(k.shape, q.shape, 1), k.dtype),
+             jax.core.ShapedArray(gradient_shape(v.shape, q.shape, 1), v.dtype)]
+    if bias is not None:
+        grads.append(jax.core.ShapedArray(gradient_shape(bias.shape, q.shape, 1), bias.dtype))
+    return grads
+
+
+# Lowering goes through custom_partitioning, which needs the device assignment (as in
+# TransformerEngine and JAX's cuDNN attention; there is no public spelling of this yet).
+dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p})
+forward_p.def_abstract_eval(_forward_abstract_eval)
+backward_p.def_abstract_eval(_backward_abstract_eval)
+
+
+def _eager(primitive):
+    """Eager calls run through jit, which lowers with the platform's rule."""
+
+    def impl(*args, **params):
+        return jax.jit(functools.partial(primitive.bind, **params))(*args)
+
+    return impl
+
+
+forward_p.def_impl(_eager(forward_p))
+backward_p.def_impl(_eager(backward_p))
+
+
+# ---- which implementation runs --------------------------------------------------------------
+
+def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
+    """True to lower to this platform's kernels, False to lower to the reference."""
+    requested = params.implementation
+    if requested is not None and requested != "xla" and requested != platform:
+        raise ValueError(
+            f"jax_dmattn: implementation={requested!r} cannot run on platform {platform!r}; "
+            f"use implementation=None or {platform!r} there")
+    if platform == "cpu":
+        return True
+    if platform != "cuda":
+        return False
+    supported = (_ffi.has_cuda_kernels() and jnp.dtype(dtype).name in _ffi.cuda_dtypes()
+                 and head_dim in _ffi.cuda_head_dims())
+    if requested == "cuda" and not supported:
+        raise ValueError(
+            f"jax_dmattn: no CUDA kernel for dtype {jnp.dtype(dtype).name}, head dim {head_dim}; "
+            f"compiled: dtypes {_ffi.cuda_dtypes()}, head dims {_ffi.cuda_head_dims()}")
+    return supported
+
+
+def _reference_forward(params, opts, q, k, v, *extras):
+    return reference.attention(params, q, k, v, *opts.split(extras))
+
+
+def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
+    mask, bias, q_lens, kv_lens = opts.split(extras)
+
+    def fn(q, k, v, bias):
+        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+
+    _, vjp = jax.vjp(fn, q, k, v, bias)
+    dq, dk, dv, dbias = vjp((dout, dlse.astype(lse.dtype)))
+    return _present(dq, dk, dv, dbias)
+
+
+def _lowering(platform: str, kernel_fn, reference_fn):
+    def rule(ctx, *args, params, opts):
+        q_aval = ctx.avals_in[0]
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1]):
+            fn = functools.partial(kernel_fn, platform, params, opts)
+        else:
+            fn = functools.partial(reference_fn, params, opts)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args, )
+
+    return rule
+
+
+def _register_lowerings() -> None:
+    from jax_dmattn import sharding  # sharding builds on this module's shapes
+
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(
+            forward_p, _lowering(platform, sharding.kernel_forward, _reference_forward),
+            platform=platform)
+        mlir.register_lowering(
+            backward_p, _lowering(platform, sharding.kernel_backward, _reference_backward),
+            platform=platform)
+    # Any other platform (ROCm, TPU): the reference, unless a kernel was asked for explicitly.
+    mlir.register_lowering(forward_p, _lowering("other", None, _reference_forward))
+    mlir.register_lowering(backward_p, _lowering("other", None, _reference_backward))
+
+
+_register_lowerings()

@@ -1,0 +1,42 @@
+"""The static description of one attention call (mirrors csrc/common/params.h)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IMPLEMENTATIONS = ("cuda", "cpu", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    """Everything about a call that is not an array; hashable, so it can be a static argument.
+
+    Key ``j`` is visible to query ``i`` iff
+    ``i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right``
+    (a bound < 0 is unbounded; causal is ``window_right = 0``), ``j`` is below the key length and
+    ``i`` below the query length of its batch entry, and the mask (if any) is True there.
+    """
+
+    scale: float
+    softcap: float = 0.0
+    diagonal_offset: int = 0
+    window_left: int = -1
+    window_right: int = -1
+    deterministic: bool = False
+    implementation: str | None = None
+
+    def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool) -> dict:
+        """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
+        return dict(
+            scale=np.float32(self.scale),
+            softcap=np.float32(self.softcap),
+            diagonal_offset=np.int64(self.diagonal_offset),
+            window_left=np.int64(self.window_left),
+            window_right=np.int64(self.window_right),
+            has_mask=has_mask,
+            has_bias=has_bias,
+            has_seqlens=has_seqlens,
+            deterministic=self.deterministic,
+        )

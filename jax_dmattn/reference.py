@@ -1,0 +1,101 @@
+"""Pure-JAX attention with the exact semantics of the kernels: the ``xla`` implementation and the
+oracle of every test.
+
+Shapes (leading batch dims ``*B`` may be several; other operands broadcast over them):
+  q ``[*B, Lq, H, D]``, k and v ``[*B|1, Lk, Hk, D]``, mask and bias ``[*B|1, H|Hk|1, Lq|1, Lk|1]``,
+  q_lens and kv_lens ``[*B|1]`` int32. Returns out ``[*B, Lq, H, D]`` in q's dtype and
+  lse ``[*B, H, Lq]`` (float32, or float64 for float64 inputs).
+
+Logits and softmax are computed in float32 (float64 for float64 inputs); probabilities are rounded
+to the input dtype before the product with V, as in the kernels and in ``jax.nn``'s own XLA path.
+A row with no visible key gives zeros and lse = -inf, and its gradients are zero, never NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dmattn.params import AttentionParams
+
+
+def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _split_heads(x: jax.Array, num_kv_heads: int, group: int) -> jax.Array:
+    """``[*B, Hx, Lq, Lk]`` with Hx in {1, Hk, H} -> ``[*B, Hk|1, group|1, Lq, Lk]``."""
+    heads = x.shape[-3]
+    if heads == num_kv_heads * group and group > 1:
+        return x.reshape(*x.shape[:-3], num_kv_heads, group, *x.shape[-2:])
+    return jnp.expand_dims(x, -3)
+
+
+def visibility(
+    params: AttentionParams,
+    seqlen_q: int,
+    seqlen_k: int,
+    q_lens: jax.Array | None = None,
+    kv_lens: jax.Array | None = None,
+) -> jax.Array:
+    """Bool ``[*B|1, Lq, Lk]`` (``[Lq, Lk]`` without lengths): the diagonal/window/length rule."""
+    i = jnp.arange(seqlen_q)[:, None]
+    j = jnp.arange(seqlen_k)[None, :]
+    diagonal = i + params.diagonal_offset
+    visible = jnp.ones((seqlen_q, seqlen_k), bool)
+    if params.window_left >= 0:
+        visible &= j >= diagonal - params.window_left
+    if params.window_right >= 0:
+        visible &= j <= diagonal + params.window_right
+    if q_lens is not None:
+        visible = visible & (i < q_lens[..., None, None]) & (j < kv_lens[..., None, None])
+    return visible
+
+
+def attention(
+    params: AttentionParams,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    q_lens: jax.Array | None = None,
+    kv_lens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
+    *_, seqlen_q, num_heads, _ = q.shape
+    seqlen_k, num_kv_heads = k.shape[-3], k.shape[-2]
+    group = num_heads // num_kv_heads
+    dtype = _compute_dtype(q.dtype)
+
+    # [*B, Hk, G, Lq, D] and [*B, Hk, Lk, D]
+    qg = jnp.moveaxis(q.reshape(*q.shape[:-2], num_kv_heads, group, q.shape[-1]), -4, -2)
+    kt = jnp.moveaxis(k, -3, -2)
+    vt = jnp.moveaxis(v, -3, -2)
+    s = jnp.einsum("...hgqd,...hkd->...hgqk", qg, kt, preferred_element_type=dtype)
+    s = s.astype(dtype) * params.scale
+    if bias is not None:
+        s = s + _split_heads(bias.astype(dtype), num_kv_heads, group)
+    if params.softcap > 0:
+        s = params.softcap * jnp.tanh(s / params.softcap)
+
+    visible = visibility(params, seqlen_q, seqlen_k, q_lens, kv_lens)
+    visible = jnp.expand_dims(visible, (-4, -3))  # [*B|1, 1, 1, Lq, Lk]
+    if mask is not None:
+        visible = visible & _split_heads(mask, num_kv_heads, group)
+
+    row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
+    # exp(-inf) = 0 with a zero derivative: masked logits never feed NaN into gradients.
+    p = jnp.exp(jnp.where(visible, s - row_max, -jnp.inf))
+    row_sum = jnp.sum(p, axis=-1, keepdims=True)
+    has_keys = row_sum > 0
+    safe_sum = jnp.where(has_keys, row_sum, 1)
+    probs = (p / safe_sum).astype(v.dtype)
+    out = jnp.einsum("...hgqk,...hkd->...hgqd", probs, vt, preferred_element_type=dtype)
+    out = jnp.moveaxis(out, -2, -4).reshape(q.shape).astype(q.dtype)
+
+    lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), -jnp.inf)[..., 0]  # [*B, Hk, G, Lq]
+    lse = lse.reshape(*lse.shape[:-3], num_heads, seqlen_q)
+    lse = jnp.broadcast_to(lse, (*q.shape[:-3], num_heads, seqlen_q))
+    return out, lse.astype(dtype)

@@ -1,0 +1,164 @@
+"""Trace-time checks shared by both front ends: bad input never reaches a kernel.
+
+Every error names the argument, what was received and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dmattn import _ffi
+from jax_dmattn.params import IMPLEMENTATIONS
+
+KERNEL_DTYPES = {
+    None: ("float16", "bfloat16", "float32"),
+    "cpu": ("float16", "bfloat16", "float32"),
+    "cuda": ("float16", "bfloat16"),
+    "xla": ("float16", "bfloat16", "float32", "float64"),
+}
+
+
+class Dims(NamedTuple):
+    """Sizes of a normalised call: q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hk, D]``."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _as_array(x, name: str) -> jax.Array:
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def check_implementation(implementation: str | None) -> None:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "cuda" and not _ffi.has_cuda_kernels():
+        raise ValueError(
+            "implementation='cuda' needs the CUDA kernels, but this build of jax_dmattn has "
+            "none (rebuild with -C cmake.define.JAX_DMATTN_CUDA=ON on a machine with nvcc)")
+
+
+def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array, ...]:
+    """q ``[B, Lq, H, D]``, k and v ``[B, Lk, Hk, D]`` of one supported floating dtype."""
+    q, k, v = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    for x, name, layout in ((q, "query", "[B, Lq, H, D]"), (k, "key", "[B, Lk, Hk, D]"),
+                            (v, "value", "[B, Lk, Hk, D]")):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {x.shape}")
+    accepted = KERNEL_DTYPES[implementation]
+    if q.dtype.name not in accepted:
+        raise TypeError(
+            f"query dtype {q.dtype.name} is not supported by implementation={implementation!r}; "
+            f"accepted: {', '.join(accepted)}")
+    for x, name in ((k, "key"), (v, "value")):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype {q.dtype.name}")
+    if k.shape != v.shape:
+        raise ValueError(f"key and value shapes differ: {k.shape} vs {v.shape}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            f"key shape {k.shape} does not match query shape {q.shape}: expected "
+            f"[{batch}, Lk, Hk, {head_dim}]")
+    if seqlen_q < 1 or k.shape[1] < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got query {q.shape}, key {k.shape}")
+    kv_heads = k.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")
+    if implementation == "cuda" and head_dim not in _ffi.cuda_head_dims():
+        raise ValueError(
+            f"head dim {head_dim} has no CUDA kernel; compiled head dims: {_ffi.cuda_head_dims()}")
+    return q, k, v
+
+
+def dims_of(q: jax.Array, k: jax.Array) -> Dims:
+    return Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+
+
+def check_broadcast_operand(x, name: str, dims: Dims) -> jax.Array:
+    """A mask or bias: 4-D ``[B|1, H|Hk|1, Lq|1, Lk|1]``."""
+    x = _as_array(x, name)
+    accepted = (f"[{dims.batch}|1, {dims.heads}|{dims.kv_heads}|1, {dims.seqlen_q}|1, "
+                f"{dims.seqlen_k}|1]")
+    ok = (x.ndim == 4 and x.shape[0] in (1, dims.batch)
+          and x.shape[1] in (1, dims.kv_heads, dims.heads)
+          and x.shape[2] in (1, dims.seqlen_q) and x.shape[3] in (1, dims.seqlen_k))
+    if not ok:
+        raise ValueError(f"{name} shape {x.shape} is not accepted; expected {accepted}")
+    return x
+
+
+def check_mask(mask, dims: Dims) -> jax.Array | None:
+    if mask is None:
+        return None
+    mask = check_broadcast_operand(mask, "mask", dims)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be bool (True = attend), got dtype {mask.dtype.name}")
+    return mask
+
+
+def check_bias(bias, dims: Dims, dtype) -> jax.Array | None:
+    """The bias, cast to the query's dtype (its gradient comes back in the bias's own dtype)."""
+    if bias is None:
+        return None
+    bias = check_broadcast_operand(bias, "bias", dims)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must be a floating array, got dtype {bias.dtype.name}")
+    return bias.astype(dtype)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer) or not np.isscalar(scale) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python float, got {scale!r}")
+    return float(scale)
+
+
+def check_softcap(softcap) -> float:
+    """0.0 for no softcap."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, jax.core.Tracer) or not np.isscalar(softcap) or not softcap > 0:
+        raise ValueError(f"softcap must be None or a float > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def check_seq_lengths(lengths, name: str, batch: int) -> jax.Array | None:
+    if lengths is None:
+        return None
+    lengths = _as_array(lengths, name)
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(
+            f"{name} must be int32 of shape ({batch},), got {lengths.dtype.name} {lengths.shape}")
+    return lengths
+
+
+def check_window(local_window_size) -> tuple[int, int]:
+    """``(left, right)``, -1 for unbounded."""
+    if local_window_size is None:
+        return -1, -1
+    if isinstance(local_window_size, int | np.integer):
+        local_window_size = (local_window_size, local_window_size)
+    try:
+        left, right = (int(w) for w in local_window_size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"local_window_size must be an int or (left, right), got {local_window_size!r}") from e
+    if left < 0 or right < 0:
+        raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
+    return left, right
