@@ -1,0 +1,28 @@
+"""Wall-clock timing of jitted JAX calls (median of repeated, synchronised calls)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+
+def median_ms(fn: Callable, *args, warmup: int = 2, iters: int = 20) -> float:
+    """Median milliseconds of ``fn(*args)``, each call waited on with ``block_until_ready``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    causal: bool) -> float:
+    """Forward FLOPs by DESIGN.md §5: ``4·B·H·Lq·Lk·D``, halved for causal (backward: 2.5×)."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
