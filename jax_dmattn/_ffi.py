@@ -82,8 +82,12 @@ def _merged(shape: tuple[int, ...], num_batch: int, groups: list[list[int]]) -> 
 
 
 def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], object]],
-          num_batch: int, attrs: dict) -> list:
-    """Calls `target` with batch dims merged; returns results in their unmerged shapes."""
+          num_batch: int, attrs: dict, extra_workspaces=None) -> list:
+    """Calls `target` with batch dims merged; returns `results` in their unmerged shapes.
+
+    ``extra_workspaces(merged operand shapes, merged result shapes)`` may add results (flat
+    workspaces whose size depends on what the kernel sees); they are dropped on return.
+    """
     full = tuple(operands[0].shape[:num_batch])
     batch_shapes = [tuple(x.shape[:num_batch]) for x in operands]
     batch_shapes += [tuple(shape[:num_batch]) for shape, _ in results]
@@ -91,19 +95,20 @@ def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], obje
     args = [x.reshape(_merged(x.shape, num_batch, groups)) for x in operands]
     result_types = [jax.ShapeDtypeStruct(_merged(shape, num_batch, groups), dtype)
                     for shape, dtype in results]
+    if extra_workspaces is not None:
+        result_types += [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in extra_workspaces(
+            [a.shape for a in args], [r.shape for r in result_types])]
     outs = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
-    return [o.reshape(shape) for o, (shape, _) in zip(outs, results, strict=True)]
+    return [o.reshape(shape) for o, (shape, _) in zip(outs, results, strict=False)]
 
 
 def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     """``[out, lse]`` from the platform's forward kernel."""
     register_targets()
-    num_batch = q.ndim - 3
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
-    outs = _call(FORWARD_TARGET, [q, k, v, *extras], results, num_batch,
+    return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  params.ffi_attributes(**opts._asdict()))
-    return outs[:2]
 
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
@@ -113,11 +118,26 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     ``grad_shapes``: the shapes of dk, dv (and dbias), which differ from the inputs' under vmap.
     """
     register_targets()
-    num_batch = q.ndim - 3
     grads = [(q.shape, q.dtype)] + [(shape, q.dtype) for shape in grad_shapes]
     workspaces = [(lse.shape, np.float32)]  # softmax_d
+    extra = None
     if platform == "cuda":
         workspaces.append((q.shape, np.float32))  # dq accumulator
+        if opts.has_bias:
+            extra = _cuda_dbias_workspace(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
-                 num_batch, params.ffi_attributes(**opts._asdict()))
+                 q.ndim - 3, params.ffi_attributes(**opts._asdict()), extra)
     return outs[:len(grads)]
+
+
+def _cuda_dbias_workspace(opts, num_grads: int):
+    """The CUDA backward's fp32 dbias accumulator, sized by the kernel's own rule."""
+
+    def workspaces(arg_shapes, result_shapes):
+        bias_shape = arg_shapes[7 + int(opts.has_mask)]
+        q, k = arg_shapes[0], arg_shapes[1]
+        dk, dbias = result_shapes[1], result_shapes[num_grads - 1]
+        n = _extension().cuda_dbias_workspace_elements(q, k, dk, bias_shape, dbias)
+        return [((n,), np.float32)] if n else []
+
+    return workspaces

@@ -50,14 +50,11 @@ class _Layout:
     def __init__(self, opts: ops.Optionals, shapes: Sequence[Sequence[int]], backward: bool):
         self.opts = opts
         self.backward = backward
-        self.shapes = [tuple(s) for s in shapes]
-        q = self.shapes[0]
+        q = tuple(shapes[0])
         self.num_batch = len(q) - 3
         self.batch = q[:self.num_batch]
-        self.heads = q[-2]
-        self.kv_heads = self.shapes[1][-2]
-        extras = self.shapes[7:] if backward else self.shapes[3:]
-        self.mask, self.bias, self.q_lens, _ = opts.split(extras)
+        self.seqlen_q, self.heads = q[-3], q[-2]
+        self.seqlen_k, self.kv_heads = shapes[1][-3], shapes[1][-2]
 
     def kinds(self) -> list[str]:
         """Operand kinds in call order."""
@@ -68,10 +65,7 @@ class _Layout:
 
 
 def _shard_count(mesh, axes) -> int:
-    if axes is None:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return functools.reduce(lambda n, a: n * mesh.shape[a], axes, 1)
+    return functools.reduce(lambda n, a: n * mesh.shape[a], _axes_tuple(axes), 1)
 
 
 def _axes_tuple(axes) -> tuple[str, ...]:
@@ -196,8 +190,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
         nb = layout.num_batch
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
-        row = lq if shape[nb + 1] == shapes[0][-3] else next(names)
-        col = lk if shape[nb + 2] == shapes[1][-3] else next(names)
+        row = lq if shape[nb + 1] == layout.seqlen_q else next(names)
+        col = lk if shape[nb + 2] == layout.seqlen_k else next(names)
         return [*bat, head, row, col]
 
     operands = [dims(kind, shape) for kind, shape in zip(layout.kinds(), shapes, strict=True)]

@@ -13,7 +13,12 @@ bool SupportsHeadDim(int64_t head_dim);
 // Launches the forward on `stream`; never synchronises. Returns the first CUDA error seen.
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream);
 
-// Launches the backward on `stream`; args.workspace[0] is an fp32 dq accumulator shaped like q.
+// Launches the backward on `stream`; args.workspace[0] is an fp32 dq accumulator shaped like q,
+// args.workspace[1] an fp32 dbias accumulator of BackwardDbiasWorkspaceElements(shape) elements.
 cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream);
+
+// fp32 elements the backward needs in args.workspace[1] (0 when none): some dbias element then
+// receives contributions from more than one CTA (see DbiasNeedsWorkspace in launch.cu).
+int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape);
 
 }  // namespace dmattn::cuda

@@ -28,6 +28,8 @@ template <int D_, int BN_, int BM_, int NW_>
 struct BwdTraits {
   static constexpr int D = D_, BN = BN_, BM = BM_, NW = NW_;
   static constexpr int kNT = NW * 32;
+  // (Capping 8-warp CTAs at 128 registers for 2 CTAs/SM spills heavily; 1 is the bound.)
+  static constexpr int kMinBlocks = 1;
   static constexpr int WK = BN / 16;  // key groups of 16
   static_assert(NW % WK == 0, "warps must tile the key block");
   static constexpr int WX = NW / WK;       // split of queries (phase A) and of D (phase B)
@@ -90,7 +92,7 @@ __device__ __forceinline__ int64_t batch_of(const BwdParams& p, int64_t c, int64
 }  // namespace detail
 
 template <typename Tr, typename T>
-__global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __grid_constant__ BwdParams p) {
   using namespace detail;
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
@@ -148,10 +150,22 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
   const int kgA = warp % WK;         // phase A / B key group
   const int xg = warp / WK;          // phase A query group / phase B head-dim group
   const int kr0 = kgA * 16;          // first key row (local) of this warp in phases A and B
-  const int qc0 = xg * Tr::QA;       // first query (local) of this warp in phase A
-  const int dc0 = xg * DB;           // first head-dim column in phase B
-  const int mc = warp % Tr::WMC;     // phase C query group
-  const int dcc0 = (warp / Tr::WMC) * DC;
+  const int qc0 = Tr::WX == 1 ? 0 : xg * Tr::QA;  // first query (local) of this warp, phase A
+  const int dc0 = Tr::WX == 1 ? 0 : xg * DB;       // first head-dim column in phase B
+  const int mc = warp % Tr::WMC;                    // phase C query group
+  const int dcc0 = (Tr::kNT / 32 == Tr::WMC) ? 0 : (warp / Tr::WMC) * DC;
+
+  // ldmatrix addressing (see FragAddr): A operands (rows = M dim) use row lane part
+  // (lane & 7) + ((lane >> 3) & 1) * 8 and column lane part (lane >> 4) * 8; non-transposed B
+  // operands (rows = N dim) use (lane & 7) + (lane >> 4) * 8 and ((lane >> 3) & 1) * 8.
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+  const FragAddr<BN, D> fkA(sK, kr0 + a_row, a_col), fvA(sV, kr0 + a_row, a_col);
+  const FragAddr<BM, D> fqA(sQ, qc0 + b_row, b_col), foA(sdO, qc0 + b_row, b_col);
+  const FragAddr<BN, BM> fpB(sP, kr0 + a_row, a_col), fdsB(sdS, kr0 + a_row, a_col);
+  const FragAddr<BM, D> foB(sdO, a_row, a_col, dc0), fqB(sQ, a_row, a_col, dc0);
+  const FragAddr<BN, BM> fdsC(sdS, b_row, b_col, mc * 16);
+  const FragAddr<BN, D> fkC(sK, a_row, a_col, dcc0);
 
   // K, V of this block (rows beyond the longest kv length are zero-filled; the per-pair lengths
   // are applied by visibility).
@@ -233,7 +247,7 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
         load_mask(m, cur);
         cp_async_commit();
         cp_async_wait<0>();
-        __syncthreads();
+        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
         if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
         ++m;
       }
@@ -272,17 +286,13 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t ak[4], av[4];
-        const int ar = kr0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int ac = ks * 16 + (lane >> 4) * 8;
-        ldsm_x4(ak, smem_u32(sK + TileKV::off(ar, ac)));
-        ldsm_x4(av, smem_u32(sV + TileKV::off(ar, ac)));
+        ldsm_x4(ak, fkA(0, ks * 16));
+        ldsm_x4(av, fvA(0, ks * 16));
 #pragma unroll
         for (int np = 0; np < NA / 2; ++np) {
-          const int br = qc0 + np * 16 + (lane & 7) + (lane >> 4) * 8;
-          const int bc = ks * 16 + ((lane >> 3) & 1) * 8;
           uint32_t bq[4], bo[4];
-          ldsm_x4(bq, smem_u32(sQ + TileQ::off(br, bc)));
-          ldsm_x4(bo, smem_u32(sdO + TileQ::off(br, bc)));
+          ldsm_x4(bq, fqA(np * 16, ks * 16));
+          ldsm_x4(bo, foA(np * 16, ks * 16));
           E::mma(st[2 * np], ak, bq[0], bq[1]);
           E::mma(st[2 * np + 1], ak, bq[2], bq[3]);
           E::mma(dp[2 * np], av, bo[0], bo[1]);
@@ -395,17 +405,13 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks) {
         uint32_t ap[4], ad[4];
-        const int ar = kr0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int ac = ks * 16 + (lane >> 4) * 8;
-        ldsm_x4(ap, smem_u32(sP + TileP::off(ar, ac)));
-        ldsm_x4(ad, smem_u32(sdS + TileP::off(ar, ac)));
-        const int br = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldsm_x4(ap, fpB(0, ks * 16));
+        ldsm_x4(ad, fdsB(0, ks * 16));
 #pragma unroll
         for (int dq = 0; dq < DB / 16; ++dq) {
-          const int bc = dc0 + dq * 16 + (lane >> 4) * 8;
           uint32_t bo[4], bq[4];
-          ldsm_x4_t(bo, smem_u32(sdO + TileQ::off(br, bc)));
-          ldsm_x4_t(bq, smem_u32(sQ + TileQ::off(br, bc)));
+          ldsm_x4_t(bo, foB(ks * 16, dq * 16));
+          ldsm_x4_t(bq, fqB(ks * 16, dq * 16));
           E::mma(dv[2 * dq], ap, bo[0], bo[1]);
           E::mma(dv[2 * dq + 1], ap, bo[2], bo[3]);
           E::mma(dk[2 * dq], ad, bq[0], bq[1]);
@@ -418,7 +424,7 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
       if (has_mask) {
         if (cand) {
           cp_async_wait<0>();
-          __syncthreads();
+          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
           bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
                                                       mask_rows, tid);
           while (!act) {
@@ -427,7 +433,7 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
             load_mask(next, cur ^ 1);
             cp_async_commit();
             cp_async_wait<0>();
-            __syncthreads();
+            if (!p.mask_vec) __syncthreads();  // vector path: own copies only
             act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
                                                    tid);
           }
@@ -451,19 +457,32 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
 #pragma unroll
           for (int ks = 0; ks < BN / 16; ++ks) {
             uint32_t a[4];
-            const int ar = ks * 16 + (lane & 7) + (lane >> 4) * 8;
-            const int ac = mc * 16 + ((lane >> 3) & 1) * 8;
-            ldsm_x4_t(a, smem_u32(sdS + TileP::off(ar, ac)));
-            const int br = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ldsm_x4_t(a, fdsC(ks * 16, 0));
 #pragma unroll
             for (int dq = 0; dq < CH / 16; ++dq) {
-              const int bc = dcc0 + ch * CH + dq * 16 + (lane >> 4) * 8;
               uint32_t bk[4];
-              ldsm_x4_t(bk, smem_u32(sK + TileKV::off(br, bc)));
+              ldsm_x4_t(bk, fkC(ks * 16, ch * CH + dq * 16));
               E::mma(acc[2 * dq], a, bk[0], bk[1]);
               E::mma(acc[2 * dq + 1], a, bk[2], bk[3]);
             }
           }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          // Lanes tq and tq^1 swap halves so that each owns 4 consecutive columns of one row:
+          // the even lane row g, the odd lane row g + 8; one 16-byte vector atomic each.
+          {
+            const bool odd = (tq & 1) != 0;
+            const int i = m0 + mc * 16 + g + (odd ? 8 : 0);
+            float* row = dqg + static_cast<int64_t>(i) * q_rs + dcc0 + ch * CH + 4 * (tq >> 1);
+#pragma unroll
+            for (int t = 0; t < CH / 8; ++t) {
+              const float r0 = __shfl_xor_sync(0xffffffffu, odd ? acc[t][0] : acc[t][2], 1);
+              const float r1 = __shfl_xor_sync(0xffffffffu, odd ? acc[t][1] : acc[t][3], 1);
+              const float4 v = odd ? make_float4(r0, r1, acc[t][2], acc[t][3])
+                                   : make_float4(acc[t][0], acc[t][1], r0, r1);
+              if (i < L.q_len) atomicAdd(reinterpret_cast<float4*>(row + t * 8), v);
+            }
+          }
+#else
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int i = m0 + mc * 16 + g + half * 8;
@@ -476,6 +495,7 @@ __global__ void __launch_bounds__(Tr::kNT) bwd_kernel(const __grid_constant__ Bw
               }
             }
           }
+#endif
         }
       }
 

@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       load_mask(n, cur);
       cp_async_commit();
       cp_async_wait<0>();
-      __syncthreads();
+      if (!p.mask_vec) __syncthreads();  // vector path: own copies only
       if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
       --n;
     }
@@ -158,6 +158,12 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     if (has_bias) load_bias(n);
     cp_async_commit();
   }
+
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+  const FragAddr<BM, D> fq(sQ, warp * 16 + a_row, a_col), fo(sdO, warp * 16 + a_row, a_col);
+  const FragAddr<BN, D> fk(sK, b_row, b_col), fv(sV, b_row, b_col);
+  const FragAddr<BN, D> fkT(sK, a_row, a_col);
 
   float acc[NTO][4];
 #pragma unroll
@@ -199,17 +205,13 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t aq[4], ao[4];
-      const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const int c = ks * 16 + (lane >> 4) * 8;
-      ldsm_x4(aq, smem_u32(sQ + TileQ::off(r, c)));
-      ldsm_x4(ao, smem_u32(sdO + TileQ::off(r, c)));
+      ldsm_x4(aq, fq(0, ks * 16));
+      ldsm_x4(ao, fo(0, ks * 16));
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
-        const int kr = np * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int kc = ks * 16 + ((lane >> 3) & 1) * 8;
         uint32_t bk[4], bv[4];
-        ldsm_x4(bk, smem_u32(sK + TileKV::off(kr, kc)));
-        ldsm_x4(bv, smem_u32(sV + TileKV::off(kr, kc)));
+        ldsm_x4(bk, fk(np * 16, ks * 16));
+        ldsm_x4(bv, fv(np * 16, ks * 16));
         E::mma(sc[2 * np], aq, bk[0], bk[1]);
         E::mma(sc[2 * np + 1], aq, bk[2], bk[3]);
         E::mma(dp[2 * np], ao, bv[0], bv[1]);
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     if (has_mask) {
       if (cand) {
         cp_async_wait<0>();
-        __syncthreads();
+        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
         bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
                                                     mask_rows, tid);
         while (!act) {
@@ -267,7 +269,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
           load_mask(next, cur ^ 1);
           cp_async_commit();
           cp_async_wait<0>();
-          __syncthreads();
+          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
           act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
                                                  tid);
         }
@@ -290,11 +292,10 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       a[1] = E::pack(sc[2 * kk][2], sc[2 * kk][3]);
       a[2] = E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
       a[3] = E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-      const int kr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int dq = 0; dq < D / 16; ++dq) {
         uint32_t bk[4];
-        ldsm_x4_t(bk, smem_u32(sK + TileKV::off(kr, dq * 16 + (lane >> 4) * 8)));
+        ldsm_x4_t(bk, fkT(kk * 16, dq * 16));
         E::mma(acc[2 * dq], a, bk[0], bk[1]);
         E::mma(acc[2 * dq + 1], a, bk[2], bk[3]);
       }

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       load_mask(n, cur);
       cp_async_commit();
       cp_async_wait<0>();
-      __syncthreads();
+      if (!p.mask_vec) __syncthreads();  // vector path: own copies only
       if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
       --n;
     }
@@ -160,6 +160,9 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     row_l[r] = 0.f;
   }
   const int warp_row0 = warp * Tr::kRowsPerWarp;
+  const FragAddr<BM, D> fq(sQ, warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+  const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+  const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
 
   // ---- main loop over visible, non-empty key blocks ----------------------------------------
   while (n >= n_lo) {
@@ -205,15 +208,11 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r = warp_row0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldsm_x4(a[mt], smem_u32(sQ + TileQ::off(r, ks * 16 + (lane >> 4) * 8)));
-      }
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], fq(mt * 16, ks * 16));
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t bk[4];
-        const int kr = np * 16 + (lane & 7) + (lane >> 4) * 8;
-        ldsm_x4(bk, smem_u32(sK + TileKV::off(kr, ks * 16 + ((lane >> 3) & 1) * 8)));
+        ldsm_x4(bk, fk(np * 16, ks * 16));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           E::mma(sc[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -275,7 +274,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     if (has_mask) {
       if (cand) {
         cp_async_wait<1>();
-        __syncthreads();
+        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
         bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
                                                     mask_rows, tid);
         while (!act) {
@@ -284,7 +283,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
           load_mask(next, cur ^ 1);
           cp_async_commit();
           cp_async_wait<0>();
-          __syncthreads();
+          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
           act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
                                                  tid);
         }
@@ -346,11 +345,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         a[mt][2] = E::pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
         a[mt][3] = E::pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
       }
-      const int vr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bv[4];
-        ldsm_x4_t(bv, smem_u32(sV + TileKV::off(vr, dp * 16 + (lane >> 4) * 8)));
+        ldsm_x4_t(bv, fv(kk * 16, dp * 16));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           E::mma(o[mt][2 * dp], a[mt], bv[0], bv[1]);

@@ -152,16 +152,58 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
   constexpr int kChunksPerRow = COLS / 8;
   constexpr int kChunks = ROWS * kChunksPerRow;
   static_assert(kChunks % NT == 0, "tile chunks must divide among the threads");
+  if constexpr (NT % kChunksPerRow == 0 && (NT / kChunksPerRow) % 8 == 0) {
+    // Each thread keeps one column and steps down by a multiple of 8 rows: the swizzle phase
+    // is fixed, so the shared address advances by a constant.
+    constexpr int kRowStep = NT / kChunksPerRow;
+    const int r = tid / kChunksPerRow;
+    const int c = (tid % kChunksPerRow) * 8;
+    const uint32_t dst = smem_u32(smem + Tile::off(r, c));
+    const T* src = gmem + r * row_stride + c;
+    const int64_t step = kRowStep * row_stride;
 #pragma unroll
-  for (int i = 0; i < kChunks / NT; ++i) {
-    const int id = tid + i * NT;
-    const int r = id / kChunksPerRow;
-    const int c = (id % kChunksPerRow) * 8;
-    const bool ok = r < valid_rows;
-    const T* src = ok ? gmem + r * row_stride + c : gmem;
-    cp_async16(smem_u32(smem + Tile::off(r, c)), src, ok ? 16 : 0);
+    for (int i = 0; i < kChunks / NT; ++i) {
+      const bool ok = r + i * kRowStep < valid_rows;
+      cp_async16(dst + i * kRowStep * Tile::KB * 2, ok ? src : gmem, ok ? 16 : 0);
+      src += step;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunks / NT; ++i) {
+      const int id = tid + i * NT;
+      const int r = id / kChunksPerRow;
+      const int c = (id % kChunksPerRow) * 8;
+      const bool ok = r < valid_rows;
+      const T* src = ok ? gmem + r * row_stride + c : gmem;
+      cp_async16(smem_u32(smem + Tile::off(r, c)), src, ok ? 16 : 0);
+    }
   }
 }
+
+// ldmatrix addressing into a SwizzledTile<ROWS, COLS> for one thread: the thread supplies the
+// row `row` (its lane part; any warp base must be a multiple of 8) and the column
+// col_base + c0 + lane_c, lane_c in {0, 8}, col_base and c0 multiples of 16. With col_base == 0
+// and compile-time r0, c0 the address is a base register plus an immediate and one XOR.
+template <int ROWS, int COLS>
+struct FragAddr {
+  using Tile = SwizzledTile<ROWS, COLS>;
+  static constexpr int KB = Tile::KB;
+  uint32_t base;
+  uint32_t y;
+  int col_base;
+  __device__ __forceinline__ FragAddr(const void* tile, int row, int lane_c, int col_base_ = 0)
+      : col_base(col_base_) {
+    base = smem_u32(tile) + static_cast<uint32_t>(row * KB * 2);
+    const int sw = (KB == 64) ? (row & 7) : ((row >> 1) & 3);
+    y = static_cast<uint32_t>((lane_c >> 3) ^ sw);
+  }
+  // Address of the fragment whose first row is r0 (a multiple of 8) and first column c0.
+  __device__ __forceinline__ uint32_t operator()(int r0, int c0) const {
+    const int c = col_base + c0;
+    return base + static_cast<uint32_t>((r0 * KB + (c / KB) * ROWS * KB) * 2) +
+           ((static_cast<uint32_t>((c % KB) >> 3) ^ y) << 4);
+  }
+};
 
 // Stores a ROWS x COLS swizzled tile to a row-major matrix, rows < valid_rows only.
 template <int ROWS, int COLS, int NT, typename T>
@@ -233,7 +275,9 @@ __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_
 }
 
 // CTA-wide OR over a byte tile ([rows][COLS] with pitch SROW, a multiple of 16). Contains a
-// __syncthreads (every thread of the CTA must call it).
+// __syncthreads (every thread of the CTA must call it). Each thread reads exactly the 16-byte
+// chunks that load_operand_tile's vector path gave it to copy, so after that path a thread's own
+// cp.async.wait suffices and no barrier is needed before this call (the scalar path needs one).
 template <int COLS, int SROW, int NT>
 __device__ __forceinline__ bool tile_any(const uint8_t* smem, int rows, int tid) {
   constexpr int kChunksPerRow = COLS / 16;

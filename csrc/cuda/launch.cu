@@ -5,7 +5,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/attention.h"
 #include "cuda/launch.h"
@@ -14,26 +13,6 @@ namespace dmattn::cuda {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// params.h may gain separate dk/dv batch strides (dk/dv full over a batch dim that k broadcasts
-// over) and a separate dbias operand; use them when present.
-template <class S>
-auto DkvStrides(const S& s, int) -> decltype(s.dkv_batch) {
-  return s.dkv_batch;
-}
-template <class S>
-BatchStrides DkvStrides(const S& s, long) {
-  return s.kv_batch;
-}
-template <class S>
-auto DbiasOperandImpl(const S& s, int) -> decltype(s.dbias) {
-  return s.dbias.present ? s.dbias : s.bias;
-}
-template <class S>
-BroadcastOperand DbiasOperandImpl(const S& s, long) {
-  return s.bias;
-}
-BroadcastOperand DbiasOperand(const AttentionShape& s) { return DbiasOperandImpl(s, 0); }
 
 bool Aligned(const void* p, int bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
@@ -68,7 +47,7 @@ struct Members {
 
 Members KvMembers(const AttentionShape& s) {
   Members m;
-  const BatchStrides st = DkvStrides(s, 0);
+  const BatchStrides& st = s.dkv_batch;
   for (int d = 0; d < s.batch.rank; ++d) {
     if (st.strides[d] == 0 && s.batch.sizes[d] > 1) {
       m.member_dim[d] = 1;
@@ -85,7 +64,7 @@ Members KvMembers(const AttentionShape& s) {
 // when full query rows of one element come from more than one (batch, head) pair.
 bool DbiasNeedsWorkspace(const AttentionShape& s) {
   if (!s.bias.present) return false;
-  const BroadcastOperand op = DbiasOperand(s);
+  const BroadcastOperand& op = s.dbias;
   if (op.col_stride == 0) return true;  // sums over keys span key blocks (CTAs)
   const Members mem = KvMembers(s);
   const int64_t G = s.num_heads / s.num_kv_heads;
@@ -169,7 +148,7 @@ bool SupportsHeadDim(int64_t head_dim) {
 }
 
 int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape) {
-  return DbiasNeedsWorkspace(shape) ? DbiasOperand(shape).num_elements : 0;
+  return DbiasNeedsWorkspace(shape) ? shape.dbias.num_elements : 0;
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
@@ -257,14 +236,14 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   if (p.compute_dq && p.dq_accum == nullptr) return cudaErrorInvalidValue;
 
   const Members mem = KvMembers(shape);
-  p.dkv_batch = DkvStrides(shape, 0);
+  p.dkv_batch = shape.dkv_batch;
   for (int d = 0; d < kMaxBatchDims; ++d) p.member_dim[d] = mem.member_dim[d];
   p.kv_members = mem.members;
   p.kv_classes = mem.classes;
 
   p.dbias_mode = kDbiasNone;
   if (p.bias != nullptr && args.dbias != nullptr) {
-    p.dbias_op = DbiasOperand(shape);
+    p.dbias_op = shape.dbias;
     l.dbias_elems = p.dbias_op.num_elements;
     if (DbiasNeedsWorkspace(shape)) {
       p.dbias_mode = kDbiasAtomic;

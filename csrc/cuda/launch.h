@@ -26,9 +26,4 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);
 template <int D, typename T>
 cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream);
 
-// fp32 elements the backward needs in args.workspace[1] (0 when none): the dbias accumulator,
-// needed when some dbias element receives contributions from more than one CTA of the backward
-// (see DbiasNeedsWorkspace in launch.cu for the rule).
-int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape);
-
 }  // namespace dmattn::cuda

@@ -27,10 +27,11 @@ struct FwdConfig<192> { using Traits = FwdTraits<192, 64, 64, 4>; };
 template <>
 struct FwdConfig<256> { using Traits = FwdTraits<256, 64, 64, 4>; };
 
-// Backward tiles: key block BN, query block BM, NW warps.
+// Backward tiles: key block BN, query block BM, NW warps (16 keys per warp; each warp holds
+// dK, dV for its keys and D / (NW * 16 / BN) columns in registers).
 template <int D>
 struct BwdConfig {
-  using Traits = BwdTraits<D, 64, 64, (D <= 128 ? 4 : 8)>;
+  using Traits = BwdTraits<D, (D <= 64 ? 128 : 64), 64, 8>;
   // Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
   using DqTraits = DqTraits<D, 64, 64, 4>;
 };

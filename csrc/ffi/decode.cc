@@ -25,45 +25,27 @@ bool SameDims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
   return true;
 }
 
-// Hands out the call's buffers in order, naming each in errors.
-class ArgCursor {
+// Hands out a call's buffers in order, naming each in errors.
+class Cursor {
  public:
-  explicit ArgCursor(const ffi::RemainingArgs& args) : args_(args) {}
+  Cursor(const Buffers& buffers, const char* what) : buffers_(buffers), what_(what) {}
   ffi::ErrorOr<ffi::AnyBuffer> Next(const char* name) {
-    if (next_ >= args_.size()) {
-      return ffi::Unexpected(Invalid(std::string("missing operand ") + name));
+    if (next_ >= buffers_.size()) {
+      return ffi::Unexpected(Invalid(std::string("missing ") + what_ + " " + name));
     }
-    return args_.get<ffi::AnyBuffer>(next_++);
+    return buffers_[next_++];
   }
-  size_t consumed() const { return next_; }
-
- private:
-  const ffi::RemainingArgs& args_;
-  size_t next_ = 0;
-};
-
-class RetCursor {
- public:
-  explicit RetCursor(const ffi::RemainingRets& rets) : rets_(rets) {}
-  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> Next(const char* name) {
-    if (next_ >= rets_.size()) {
-      return ffi::Unexpected(Invalid(std::string("missing result ") + name));
-    }
-    return rets_.get<ffi::AnyBuffer>(next_++);
-  }
-  // Remaining results are platform workspaces.
+  bool done() const { return next_ == buffers_.size(); }
+  // The remaining results are platform workspaces.
   ffi::Error Workspaces(void* (&out)[2]) {
-    for (int i = 0; next_ < rets_.size(); ++i) {
-      if (i == 2) return Invalid("too many workspace results");
-      auto ws = rets_.get<ffi::AnyBuffer>(next_++);
-      if (ws.has_error()) return ws.error();
-      out[i] = (*ws)->untyped_data();
-    }
+    if (buffers_.size() - next_ > 2) return Invalid("too many workspace results");
+    for (int i = 0; next_ < buffers_.size(); ++i) out[i] = buffers_[next_++].untyped_data();
     return ffi::Error::Success();
   }
 
  private:
-  const ffi::RemainingRets& rets_;
+  const Buffers& buffers_;
+  const char* what_;
   size_t next_ = 0;
 };
 
@@ -188,7 +170,7 @@ ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, Attentio
 }
 
 // The optional operands shared by forward and backward.
-ffi::Error DecodeOptionalOperands(ArgCursor& cursor, const AttentionAttrs& attrs,
+ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
                                   ffi::DataType dtype, AttentionShape* s, const bool** mask,
                                   const void** bias, const int32_t** q_lens,
                                   const int32_t** kv_lens) {
@@ -248,9 +230,33 @@ ffi::Error ExpectLse(ffi::AnyBuffer x, const AttentionShape& s, const char* name
 
 }  // namespace
 
-ffi::Error DecodeForward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                         const AttentionAttrs& attrs, AttentionShape* s, ForwardArgs* p) {
-  ArgCursor in(args);
+namespace {
+
+ffi::ErrorOr<Buffers> ArgBuffers(const ffi::RemainingArgs& args) {
+  Buffers out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return ffi::Unexpected(buffer.error());
+    out.push_back(*buffer);
+  }
+  return out;
+}
+
+ffi::ErrorOr<Buffers> RetBuffers(const ffi::RemainingRets& rets) {
+  Buffers out;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buffer = rets.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return ffi::Unexpected(buffer.error());
+    out.push_back(**buffer);
+  }
+  return out;
+}
+
+}  // namespace
+
+ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const AttentionAttrs& attrs,
+                         AttentionShape* s, ForwardArgs* p) {
+  Cursor in(args, "operand");
   DMATTN_ASSIGN_OR_RETURN(q, in.Next("q"));
   DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
@@ -260,24 +266,24 @@ ffi::Error DecodeForward(const ffi::RemainingArgs& args, const ffi::RemainingRet
       e.failure()) {
     return e;
   }
-  if (in.consumed() != args.size()) return Invalid("unexpected extra operands");
+  if (!in.done()) return Invalid("unexpected extra operands");
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
 
-  RetCursor out_cursor(rets);
-  DMATTN_ASSIGN_OR_RETURN(out, out_cursor.Next("out"));
-  DMATTN_ASSIGN_OR_RETURN(lse, out_cursor.Next("lse"));
-  if (auto e = ExpectLikeQ(*out, q, "out"); e.failure()) return e;
-  if (auto e = ExpectLse(*lse, *s, "lse"); e.failure()) return e;
-  p->out = out->untyped_data();
-  p->lse = static_cast<float*>(lse->untyped_data());
-  return out_cursor.Workspaces(p->workspace);
+  Cursor results(rets, "result");
+  DMATTN_ASSIGN_OR_RETURN(out, results.Next("out"));
+  DMATTN_ASSIGN_OR_RETURN(lse, results.Next("lse"));
+  if (auto e = ExpectLikeQ(out, q, "out"); e.failure()) return e;
+  if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
+  p->out = out.untyped_data();
+  p->lse = static_cast<float*>(lse.untyped_data());
+  return results.Workspaces(p->workspace);
 }
 
-ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                          const AttentionAttrs& attrs, AttentionShape* s, BackwardArgs* p) {
-  ArgCursor in(args);
+ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const AttentionAttrs& attrs,
+                          AttentionShape* s, BackwardArgs* p) {
+  Cursor in(args, "operand");
   DMATTN_ASSIGN_OR_RETURN(q, in.Next("q"));
   DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
@@ -296,7 +302,7 @@ ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRe
       e.failure()) {
     return e;
   }
-  if (in.consumed() != args.size()) return Invalid("unexpected extra operands");
+  if (!in.done()) return Invalid("unexpected extra operands");
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
@@ -305,25 +311,49 @@ ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRe
   p->lse = static_cast<const float*>(lse.untyped_data());
   p->dlse = static_cast<const float*>(dlse.untyped_data());
 
-  RetCursor grads(rets);
+  Cursor grads(rets, "result");
   DMATTN_ASSIGN_OR_RETURN(dq, grads.Next("dq"));
   DMATTN_ASSIGN_OR_RETURN(dk, grads.Next("dk"));
   DMATTN_ASSIGN_OR_RETURN(dv, grads.Next("dv"));
-  if (auto e = ExpectLikeQ(*dq, q, "dq"); e.failure()) return e;
-  if (auto e = DecodeKvGradient(*dk, *dv, k, s); e.failure()) return e;
-  p->dq = dq->untyped_data();
-  p->dk = dk->untyped_data();
-  p->dv = dv->untyped_data();
+  if (auto e = ExpectLikeQ(dq, q, "dq"); e.failure()) return e;
+  if (auto e = DecodeKvGradient(dk, dv, k, s); e.failure()) return e;
+  p->dq = dq.untyped_data();
+  p->dk = dk.untyped_data();
+  p->dv = dv.untyped_data();
   if (attrs.has_bias) {
     DMATTN_ASSIGN_OR_RETURN(dbias, grads.Next("dbias"));
-    if (auto e = ExpectSameType(*dbias, q.element_type(), "dbias"); e.failure()) return e;
-    if (auto e = DecodeBroadcastOperand(*dbias, *s, "dbias", &s->dbias); e.failure()) return e;
-    p->dbias = dbias->untyped_data();
+    if (auto e = ExpectSameType(dbias, q.element_type(), "dbias"); e.failure()) return e;
+    if (auto e = DecodeBroadcastOperand(dbias, *s, "dbias", &s->dbias); e.failure()) return e;
+    p->dbias = dbias.untyped_data();
   }
   DMATTN_ASSIGN_OR_RETURN(softmax_d, grads.Next("softmax_d"));
-  if (auto e = ExpectLse(*softmax_d, *s, "softmax_d"); e.failure()) return e;
-  p->softmax_d = static_cast<float*>(softmax_d->untyped_data());
+  if (auto e = ExpectLse(softmax_d, *s, "softmax_d"); e.failure()) return e;
+  p->softmax_d = static_cast<float*>(softmax_d.untyped_data());
   return grads.Workspaces(p->workspace);
+}
+
+template <typename Ptrs>
+static ffi::Error DecodeFrame(
+    ffi::Error (*decode)(const Buffers&, const Buffers&, const AttentionAttrs&, AttentionShape*,
+                         Ptrs*),
+    const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, const AttentionAttrs& attrs,
+    AttentionShape* shape, Ptrs* ptrs) {
+  auto in = ArgBuffers(args);
+  if (in.has_error()) return in.error();
+  auto out = RetBuffers(rets);
+  if (out.has_error()) return out.error();
+  return decode(*in, *out, attrs, shape, ptrs);
+}
+
+ffi::Error DecodeForward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                         const AttentionAttrs& attrs, AttentionShape* shape, ForwardArgs* ptrs) {
+  return DecodeFrame<ForwardArgs>(DecodeForward, args, rets, attrs, shape, ptrs);
+}
+
+ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                          const AttentionAttrs& attrs, AttentionShape* shape,
+                          BackwardArgs* ptrs) {
+  return DecodeFrame<BackwardArgs>(DecodeBackward, args, rets, attrs, shape, ptrs);
 }
 
 }  // namespace dmattn

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,10 +28,21 @@ struct AttentionAttrs {
   bool deterministic;
 };
 
+// A call's operands or results, in the order above.
+using Buffers = std::vector<xla::ffi::AnyBuffer>;
+
+xla::ffi::Error DecodeForward(const Buffers& args, const Buffers& rets,
+                              const AttentionAttrs& attrs, AttentionShape* shape,
+                              ForwardArgs* ptrs);
+
+xla::ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets,
+                               const AttentionAttrs& attrs, AttentionShape* shape,
+                               BackwardArgs* ptrs);
+
+// The same, for a handler's call frame.
 xla::ffi::Error DecodeForward(const xla::ffi::RemainingArgs& args,
                               const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
                               AttentionShape* shape, ForwardArgs* ptrs);
-
 xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
                                const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
                                AttentionShape* shape, BackwardArgs* ptrs);

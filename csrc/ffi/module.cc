@@ -3,12 +3,19 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "ffi/decode.h"
 #include "ffi/handlers.h"
+#if defined(DMATTN_WITH_CUDA)
+#include "cuda/attention.h"
+#endif
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace {
 
@@ -49,6 +56,41 @@ nb::dict BuildInfo() {
   return info;
 }
 
+#if defined(DMATTN_WITH_CUDA)
+// fp32 elements of the CUDA backward's dbias accumulator (workspace 1) for a call with these
+// shapes; 0 when none is needed. Decodes shape-only buffers with the handlers' own decoding, so
+// the trace-time size and the kernel's rule cannot disagree.
+int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> k,
+                                   std::vector<int64_t> dk, std::vector<int64_t> bias,
+                                   std::vector<int64_t> dbias) {
+  std::vector<int64_t> lse(q.begin(), q.end() - 3);
+  lse.push_back(q[q.size() - 2]);
+  lse.push_back(q[q.size() - 3]);
+  auto buffer = [](std::vector<int64_t>& dims, XLA_FFI_DataType type) {
+    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, type, nullptr,
+                          static_cast<int64_t>(dims.size()), dims.data()};
+  };
+  const XLA_FFI_Buffer qb = buffer(q, XLA_FFI_DataType_BF16), kb = buffer(k, XLA_FFI_DataType_BF16),
+                       dkb = buffer(dk, XLA_FFI_DataType_BF16),
+                       lseb = buffer(lse, XLA_FFI_DataType_F32),
+                       biasb = buffer(bias, XLA_FFI_DataType_BF16),
+                       dbiasb = buffer(dbias, XLA_FFI_DataType_BF16);
+  using xla::ffi::AnyBuffer;
+  const dmattn::Buffers args = {AnyBuffer(&qb),   AnyBuffer(&kb),   AnyBuffer(&kb),
+                                AnyBuffer(&qb),   AnyBuffer(&qb),   AnyBuffer(&lseb),
+                                AnyBuffer(&lseb), AnyBuffer(&biasb)};
+  const dmattn::Buffers rets = {AnyBuffer(&qb), AnyBuffer(&dkb), AnyBuffer(&dkb),
+                                AnyBuffer(&dbiasb), AnyBuffer(&lseb)};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, true, false, false};
+  dmattn::AttentionShape shape;
+  dmattn::BackwardArgs ptrs;
+  if (auto e = dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs); e.failure()) {
+    throw std::invalid_argument(e.message());
+  }
+  return dmattn::cuda::BackwardDbiasWorkspaceElements(shape);
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(_dmattn, m) {
@@ -56,4 +98,8 @@ NB_MODULE(_dmattn, m) {
   m.def("registrations", &Registrations,
         "Handler capsules by platform: {platform: {target name: capsule}}.");
   m.def("build_info", &BuildInfo, "Facts about the compiled kernels.");
+#if defined(DMATTN_WITH_CUDA)
+  m.def("cuda_dbias_workspace_elements", &CudaDbiasWorkspaceElements, "q"_a, "k"_a, "dk"_a,
+        "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
+#endif
 }

@@ -1,0 +1,954 @@
+// Standalone check of the CUDA kernels (dmattn::cuda::Forward / Backward) against a host
+// double-precision reference. See tests/cuda/README.md for the build command.
+//
+//   kernel_check            all cases whose (head dim, dtype) is compiled in; exit 1 on failure
+//   kernel_check --quick    a few tiny irregular cases (for compute-sanitizer)
+//   kernel_check --bench    also time a few large shapes (no reference)
+//   kernel_check --only S   run the cases whose name contains S (--case S: exactly S)
+//   kernel_check --list     print the case names; --bench-only: the benchmarks alone
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/params.h"
+#include "cuda/attention.h"
+#include "cuda/launch.h"
+
+using dmattn::AttentionShape;
+using dmattn::BackwardArgs;
+using dmattn::BatchStrides;
+using dmattn::BroadcastOperand;
+using dmattn::ElementType;
+using dmattn::ForwardArgs;
+
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, \
+                   __LINE__, cudaGetErrorString(e_));                                    \
+      std::exit(2);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit conversions (host)
+// ---------------------------------------------------------------------------------------------
+uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf2f(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
+float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+struct Dtype {
+  bool bf16;
+  uint16_t enc(float f) const { return bf16 ? f2bf(f) : f2h(f); }
+  float dec(uint16_t h) const { return bf16 ? bf2f(h) : h2f(h); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Case description
+// ---------------------------------------------------------------------------------------------
+struct OperandSpec {
+  bool present = false;
+  std::vector<int64_t> batch;  // per batch dim: full size or 1
+  int64_t heads = 1;           // H, Hk or 1
+  bool rows = true;            // full Lq, else 1
+  bool cols = true;            // full Lk, else 1
+};
+
+struct Case {
+  std::string name;
+  bool bf16 = true;
+  std::vector<int64_t> batch = {1};
+  std::vector<int64_t> kv_batch;  // empty: same as batch
+  std::vector<int64_t> dkv_batch;  // dk/dv batch dims; empty: same as kv_batch (vmap: full)
+  std::vector<int64_t> dbias_batch;  // dbias batch dims; empty: same as the bias's
+  int64_t H = 2, Hk = 2, Lq = 64, Lk = 64, D = 64;
+  OperandSpec mask, bias;
+  float mask_density = 0.7f;
+  bool mask_holes = false;  // fully false rows and 64x64 tiles
+  float block_density = 0.f;  // > 0: mask made of 128x128 all-true / all-false blocks
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  bool seqlens = false;
+  std::vector<int32_t> q_lens, kv_lens;
+  bool deterministic = false;
+  bool dlse = false;
+  float qk_std = 1.f;
+};
+
+int64_t Prod(const std::vector<int64_t>& v) {
+  int64_t p = 1;
+  for (auto x : v) p *= x;
+  return p;
+}
+
+// Natural strides over the batch dims of an operand whose batch dims are `dims`, trailing
+// block `inner` elements; 0 where the dim is 1.
+BatchStrides Strides(const std::vector<int64_t>& dims, int64_t inner) {
+  BatchStrides s;
+  int64_t st = inner;
+  for (int d = static_cast<int>(dims.size()) - 1; d >= 0; --d) {
+    s.strides[d] = dims[d] == 1 ? 0 : st;
+    st *= dims[d];
+  }
+  return s;
+}
+
+struct Problem {
+  Case c;
+  AttentionShape s;
+  Dtype dt;
+  int64_t B;  // flat batch count
+  std::vector<int64_t> mask_batch, bias_batch, dbias_batch;
+  int64_t q_elems, kv_elems, dkv_elems, mask_elems = 0, bias_elems = 0, dbias_elems = 0;
+  // host data
+  std::vector<uint16_t> q, k, v, bias, dout;
+  std::vector<uint8_t> mask;
+  std::vector<float> dlse;
+  std::vector<int32_t> q_lens, kv_lens;
+};
+
+BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<int64_t>* bdims,
+                             int64_t* elems) {
+  BroadcastOperand op;
+  if (!sp.present) return op;
+  *bdims = sp.batch.empty() ? c.batch : sp.batch;
+  const int64_t rows = sp.rows ? c.Lq : 1, cols = sp.cols ? c.Lk : 1;
+  op.present = true;
+  op.batch = Strides(*bdims, sp.heads * rows * cols);
+  op.heads_per_entry = c.H / sp.heads;
+  op.head_stride = rows * cols;
+  op.row_stride = rows == 1 ? 0 : cols;
+  op.col_stride = cols == 1 ? 0 : 1;
+  op.num_elements = Prod(*bdims) * sp.heads * rows * cols;
+  *elems = op.num_elements;
+  return op;
+}
+
+Problem Build(const Case& c, uint64_t seed, bool fast = false) {
+  Problem P;
+  P.c = c;
+  P.dt.bf16 = c.bf16;
+  AttentionShape& s = P.s;
+  s.batch.rank = static_cast<int32_t>(c.batch.size());
+  for (size_t d = 0; d < c.batch.size(); ++d) s.batch.sizes[d] = c.batch[d];
+  s.seqlen_q = c.Lq;
+  s.seqlen_k = c.Lk;
+  s.num_heads = c.H;
+  s.num_kv_heads = c.Hk;
+  s.head_dim = c.D;
+  s.dtype = c.bf16 ? ElementType::kBFloat16 : ElementType::kFloat16;
+  const std::vector<int64_t> kvb = c.kv_batch.empty() ? c.batch : c.kv_batch;
+  s.kv_batch = Strides(kvb, c.Lk * c.Hk * c.D);
+  s.scale = 1.f / std::sqrt(static_cast<float>(c.D));
+  s.softcap = c.softcap;
+  s.diagonal_offset = c.causal ? (c.Lk - c.Lq) : 0;
+  s.window_left = c.window_left;
+  s.window_right = c.causal ? 0 : c.window_right;
+  s.deterministic = c.deterministic;
+  s.mask = MakeOperand(c.mask, c, &P.mask_batch, &P.mask_elems);
+  s.bias = MakeOperand(c.bias, c, &P.bias_batch, &P.bias_elems);
+  {
+    OperandSpec ds = c.bias;
+    if (!c.dbias_batch.empty()) ds.batch = c.dbias_batch;
+    s.dbias = MakeOperand(ds, c, &P.dbias_batch, &P.dbias_elems);
+  }
+  const std::vector<int64_t> dkvb = c.dkv_batch.empty() ? kvb : c.dkv_batch;
+  s.dkv_batch = Strides(dkvb, c.Lk * c.Hk * c.D);
+  P.B = Prod(c.batch);
+  P.q_elems = P.B * c.Lq * c.H * c.D;
+  P.kv_elems = Prod(kvb) * c.Lk * c.Hk * c.D;
+  P.dkv_elems = Prod(dkvb) * c.Lk * c.Hk * c.D;
+
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto fast_u = [&]() {  // xorshift, uniform in [0, 1)
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return static_cast<float>(st >> 40) * (1.f / 16777216.f);
+  };
+  auto fill = [&](std::vector<uint16_t>& x, int64_t n, float stdv) {
+    x.resize(n);
+    if (fast) {
+      for (auto& e : x) e = P.dt.enc((fast_u() * 3.4641f - 1.7320f) * stdv);
+    } else {
+      for (auto& e : x) e = P.dt.enc(nd(rng) * stdv);
+    }
+  };
+  fill(P.q, P.q_elems, c.qk_std);
+  fill(P.k, P.kv_elems, c.qk_std);
+  fill(P.v, P.kv_elems, 1.f);
+  fill(P.dout, P.q_elems, 1.f);
+  if (s.bias.present) fill(P.bias, P.bias_elems, 1.f);
+  if (s.mask.present) {
+    P.mask.resize(P.mask_elems);
+    for (auto& e : P.mask) e = (fast ? fast_u() : ud(rng)) < c.mask_density ? 1 : 0;
+    if (c.block_density > 0.f) {
+      const int64_t rows = c.mask.rows ? c.Lq : 1, cols = c.mask.cols ? c.Lk : 1;
+      const int64_t entries = P.mask_elems / (rows * cols);
+      for (int64_t e = 0; e < entries; ++e)
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j) {
+            uint64_t hsh = (static_cast<uint64_t>(e) * 1000003u + (i / 128)) * 998244353u +
+                           (j / 128) * 0x9E3779B97F4A7C15ull;
+            hsh ^= hsh >> 29;
+            hsh *= 0xBF58476D1CE4E5B9ull;
+            hsh ^= hsh >> 32;
+            const float u = static_cast<float>(hsh & 0xffffff) / 16777216.f;
+            P.mask[(e * rows + i) * cols + j] = u < c.block_density ? 1 : 0;
+          }
+    }
+    if (c.mask_holes) {
+      // Walk every (entry, row, col) and clear whole rows 5..20 and 64x64 tiles whose tile
+      // coordinates (ti + tj) % 3 == 1.
+      const int64_t rows = c.mask.rows ? c.Lq : 1, cols = c.mask.cols ? c.Lk : 1;
+      const int64_t entries = P.mask_elems / (rows * cols);
+      for (int64_t e = 0; e < entries; ++e)
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j) {
+            const bool hole_row = rows > 1 && i >= 5 && i <= 20;
+            const bool hole_tile = ((i / 64) + (j / 64)) % 3 == 1;
+            if (hole_row || hole_tile) P.mask[(e * rows + i) * cols + j] = 0;
+          }
+    }
+  }
+  P.dlse.assign(P.B * c.H * c.Lq, 0.f);
+  if (c.dlse)
+    for (auto& e : P.dlse) e = 0.3f * nd(rng);
+  if (c.seqlens) {
+    s.has_seqlens = true;
+    s.seqlens_batch = Strides(c.batch, 1);
+    P.q_lens = c.q_lens;
+    P.kv_lens = c.kv_lens;
+  }
+  return P;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host reference (double)
+// ---------------------------------------------------------------------------------------------
+struct Ref {
+  std::vector<double> out, lse, dq, dk, dv, dbias;
+  std::vector<char> empty_row;  // [B, H, Lq]
+};
+
+Ref Reference(const Problem& P) {
+  const Case& c = P.c;
+  const AttentionShape& s = P.s;
+  const int64_t B = P.B, H = c.H, Hk = c.Hk, Lq = c.Lq, Lk = c.Lk, D = c.D, G = H / Hk;
+  Ref R;
+  R.out.assign(P.q_elems, 0.0);
+  R.lse.assign(B * H * Lq, -INFINITY);
+  R.dq.assign(P.q_elems, 0.0);
+  R.dk.assign(P.dkv_elems, 0.0);
+  R.dv.assign(P.dkv_elems, 0.0);
+  R.dbias.assign(P.dbias_elems, 0.0);
+  R.empty_row.assign(B * H * Lq, 0);
+  std::vector<double> qd(P.q.size()), kd(P.k.size()), vd(P.v.size()), dod(P.dout.size()),
+      bd(P.bias.size());
+  for (size_t i = 0; i < qd.size(); ++i) qd[i] = P.dt.dec(P.q[i]);
+  for (size_t i = 0; i < kd.size(); ++i) kd[i] = P.dt.dec(P.k[i]);
+  for (size_t i = 0; i < vd.size(); ++i) vd[i] = P.dt.dec(P.v[i]);
+  for (size_t i = 0; i < dod.size(); ++i) dod[i] = P.dt.dec(P.dout[i]);
+  for (size_t i = 0; i < bd.size(); ++i) bd[i] = P.dt.dec(P.bias[i]);
+  const double scale = s.scale;
+  const double cap = c.softcap;
+
+  std::mutex mu;
+  auto task = [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H, hk = h / G;
+    int64_t qlen = Lq, kvlen = Lk;
+    if (s.has_seqlens) {
+      const int64_t o = s.seqlens_batch.offset(s.batch, b);
+      qlen = std::min<int64_t>(std::max<int32_t>(P.q_lens[o], 0), Lq);
+      kvlen = std::min<int64_t>(std::max<int32_t>(P.kv_lens[o], 0), Lk);
+    }
+    const int64_t kvo = s.kv_offset(b, hk);
+    const int64_t mo = s.mask.present ? s.mask.offset(s.batch, b, h) : 0;
+    const int64_t bo = s.bias.present ? s.bias.offset(s.batch, b, h) : 0;
+    const int64_t dbo = s.bias.present ? s.dbias.offset(s.batch, b, h) : 0;
+    const int64_t dkvo = s.dkv_offset(b, hk);
+    std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0);
+    std::vector<std::pair<int64_t, double>> db_l;
+    std::vector<double> sc(Lk), p(Lk), tt(Lk), dp(Lk);
+    std::vector<char> vis(Lk);
+    for (int64_t i = 0; i < Lq; ++i) {
+      const double* qi = &qd[s.q_offset(b, h) + i * s.q_row_stride()];
+      const double* doi = &dod[s.q_offset(b, h) + i * s.q_row_stride()];
+      double m = -INFINITY;
+      for (int64_t j = 0; j < Lk; ++j) {
+        bool v = i < qlen && j < kvlen;
+        const int64_t d = j - i;
+        if (s.window_left >= 0 && d < s.diagonal_offset - s.window_left) v = false;
+        if (s.window_right >= 0 && d > s.diagonal_offset + s.window_right) v = false;
+        if (v && s.mask.present)
+          v = P.mask[mo + i * s.mask.row_stride + j * s.mask.col_stride] != 0;
+        vis[j] = v;
+        if (!v) continue;
+        const double* kj = &kd[kvo + j * s.kv_row_stride()];
+        double dot = 0;
+        for (int64_t e = 0; e < D; ++e) dot += qi[e] * kj[e];
+        double z = scale * dot;
+        if (s.bias.present) z += bd[bo + i * s.bias.row_stride + j * s.bias.col_stride];
+        if (cap > 0) {
+          tt[j] = std::tanh(z / cap);
+          z = cap * tt[j];
+        }
+        sc[j] = z;
+        m = std::max(m, z);
+      }
+      const int64_t li = s.lse_offset(b, h) + i;
+      if (m == -INFINITY) {
+        R.empty_row[li] = 1;
+        continue;  // out 0, lse -inf, no gradient
+      }
+      double l = 0;
+      for (int64_t j = 0; j < Lk; ++j) {
+        p[j] = vis[j] ? std::exp(sc[j] - m) : 0.0;
+        l += p[j];
+      }
+      R.lse[li] = m + std::log(l);
+      double* oi = &R.out[s.q_offset(b, h) + i * s.q_row_stride()];
+      for (int64_t j = 0; j < Lk; ++j) {
+        if (!vis[j]) continue;
+        p[j] /= l;
+        const double* vj = &vd[kvo + j * s.kv_row_stride()];
+        for (int64_t e = 0; e < D; ++e) oi[e] += p[j] * vj[e];
+      }
+      // backward
+      double Di = 0;
+      for (int64_t j = 0; j < Lk; ++j) {
+        dp[j] = 0;
+        if (!vis[j]) continue;
+        const double* vj = &vd[kvo + j * s.kv_row_stride()];
+        for (int64_t e = 0; e < D; ++e) dp[j] += doi[e] * vj[e];
+        Di += p[j] * dp[j];
+      }
+      Di -= P.dlse[li];
+      double* dqi = &R.dq[s.q_offset(b, h) + i * s.q_row_stride()];
+      for (int64_t j = 0; j < Lk; ++j) {
+        if (!vis[j]) continue;
+        double ds = p[j] * (dp[j] - Di);
+        if (cap > 0) ds *= (1 - tt[j] * tt[j]);
+        const double* kj = &kd[kvo + j * s.kv_row_stride()];
+        for (int64_t e = 0; e < D; ++e) {
+          dqi[e] += scale * ds * kj[e];
+          dk_l[j * D + e] += scale * ds * qi[e];
+          dv_l[j * D + e] += p[j] * doi[e];
+        }
+        if (s.bias.present)
+          db_l.push_back({dbo + i * s.dbias.row_stride + j * s.dbias.col_stride, ds});
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    for (int64_t j = 0; j < Lk; ++j)
+      for (int64_t e = 0; e < D; ++e) {
+        R.dk[dkvo + j * s.kv_row_stride() + e] += dk_l[j * D + e];
+        R.dv[dkvo + j * s.kv_row_stride() + e] += dv_l[j * D + e];
+      }
+    for (auto& x : db_l) R.dbias[x.first] += x.second;
+  };
+  const int64_t tasks = B * H;
+  const int nth = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> th;
+  std::atomic<int64_t> next{0};
+  for (int t = 0; t < nth; ++t)
+    th.emplace_back([&] {
+      for (int64_t i = next++; i < tasks; i = next++) task(i);
+    });
+  for (auto& t : th) t.join();
+  return R;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device run
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+T* Upload(const std::vector<T>& h) {
+  if (h.empty()) return nullptr;
+  T* d;
+  CK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+std::vector<T> Download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n) CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+void* Poisoned(size_t bytes) {
+  void* d;
+  CK(cudaMalloc(&d, std::max<size_t>(bytes, 16)));
+  CK(cudaMemset(d, 0xff, std::max<size_t>(bytes, 16)));  // NaN in bf16/fp16/fp32
+  return d;
+}
+
+struct DeviceOut {
+  std::vector<uint16_t> out, dq, dk, dv, dbias;
+  std::vector<float> lse;
+};
+
+struct Err {
+  double rel = 0;
+  bool nan = false;
+};
+
+Err Compare16(const std::vector<uint16_t>& x, const std::vector<double>& ref, const Dtype& dt) {
+  Err e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double v = dt.dec(x[i]);
+    if (!std::isfinite(v)) e.nan = true;
+    num += (v - ref[i]) * (v - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  e.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return e;
+}
+
+// lse: -inf exactly where the reference is -inf, max abs error elsewhere.
+Err CompareLse(const std::vector<float>& x, const std::vector<double>& ref) {
+  Err e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isinf(ref[i])) {
+      if (!(std::isinf(x[i]) && x[i] < 0)) e.nan = true;
+    } else {
+      if (!std::isfinite(x[i])) e.nan = true;
+      e.rel = std::max(e.rel, std::fabs(x[i] - ref[i]));
+    }
+  }
+  return e;
+}
+
+bool DtypeCompiled(bool bf16) {
+#if defined(DMATTN_ENABLE_BF16)
+  if (bf16) return true;
+#endif
+#if defined(DMATTN_ENABLE_FP16)
+  if (!bf16) return true;
+#endif
+  return false;
+}
+
+struct Buffers {
+  uint16_t *q, *k, *v, *bias, *dout;
+  uint8_t* mask;
+  float* dlse;
+  int32_t *ql, *kl;
+};
+
+struct FwdOut {
+  void* out = nullptr;  // device, kept for the backward
+  float* lse = nullptr;
+};
+
+FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps) {
+  const AttentionShape& s = P.s;
+  FwdOut f;
+  f.out = Poisoned(P.q_elems * 2);
+  f.lse = static_cast<float*>(Poisoned(P.B * s.num_heads * s.seqlen_q * 4));
+  ForwardArgs fa;
+  fa.q = in.q;
+  fa.k = in.k;
+  fa.v = in.v;
+  fa.mask = reinterpret_cast<const bool*>(in.mask);
+  fa.bias = in.bias;
+  fa.q_lens = in.ql;
+  fa.kv_lens = in.kl;
+  fa.out = f.out;
+  fa.lse = f.lse;
+  CK(dmattn::cuda::Forward(s, fa, 0));
+  CK(cudaDeviceSynchronize());
+  if (ms) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; ++i) CK(dmattn::cuda::Forward(s, fa, 0));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(ms, e0, e1));
+    *ms /= reps;
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+  }
+  r->out = Download(static_cast<uint16_t*>(f.out), P.q_elems);
+  r->lse = Download(f.lse, P.B * s.num_heads * s.seqlen_q);
+  return f;
+}
+
+void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, DeviceOut* r,
+                       float* ms, int reps) {
+  const AttentionShape& s = P.s;
+  void* dq = Poisoned(P.q_elems * 2);
+  void* dk = Poisoned(P.dkv_elems * 2);
+  void* dv = Poisoned(P.dkv_elems * 2);
+  void* dbias = s.bias.present ? Poisoned(P.dbias_elems * 2) : nullptr;
+  float* sd = static_cast<float*>(Poisoned(P.B * s.num_heads * s.seqlen_q * 4));
+  void* ws0 = Poisoned(P.q_elems * 4);
+  const int64_t ws1n = dmattn::cuda::BackwardDbiasWorkspaceElements(s);
+  void* ws1 = ws1n > 0 ? Poisoned(ws1n * 4) : nullptr;
+  BackwardArgs ba;
+  ba.q = in.q;
+  ba.k = in.k;
+  ba.v = in.v;
+  ba.out = f.out;
+  ba.dout = in.dout;
+  ba.lse = f.lse;
+  ba.dlse = in.dlse;
+  ba.mask = reinterpret_cast<const bool*>(in.mask);
+  ba.bias = in.bias;
+  ba.q_lens = in.ql;
+  ba.kv_lens = in.kl;
+  ba.dq = dq;
+  ba.dk = dk;
+  ba.dv = dv;
+  ba.dbias = dbias;
+  ba.softmax_d = sd;
+  ba.workspace[0] = ws0;
+  ba.workspace[1] = ws1;
+  CK(dmattn::cuda::Backward(s, ba, 0));
+  CK(cudaDeviceSynchronize());
+  if (ms) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; ++i) CK(dmattn::cuda::Backward(s, ba, 0));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(ms, e0, e1));
+    *ms /= reps;
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+  }
+  r->dq = Download(static_cast<uint16_t*>(dq), P.q_elems);
+  r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
+  r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
+  if (dbias) r->dbias = Download(static_cast<uint16_t*>(dbias), P.dbias_elems);
+  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1})
+    if (p) CK(cudaFree(p));
+}
+
+void FreeFwd(FwdOut& f) {
+  CK(cudaFree(f.out));
+  CK(cudaFree(f.lse));
+}
+
+// Worst element of a 16-bit tensor against the reference, for failure reports.
+void Worst(const char* what, const std::vector<uint16_t>& x, const std::vector<double>& ref,
+           const Dtype& dt, int64_t row_elems, int64_t heads, int64_t D) {
+  double worst = -1;
+  size_t wi = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double v = dt.dec(x[i]);
+    const double e = std::isfinite(v) ? std::fabs(v - ref[i]) : INFINITY;
+    if (e > worst) {
+      worst = e;
+      wi = i;
+    }
+  }
+  if (ref.empty()) return;
+  const int64_t row = static_cast<int64_t>(wi) / row_elems;
+  const int64_t rem = static_cast<int64_t>(wi) % row_elems;
+  std::printf("    worst %-5s at flat %zu (outer row %lld, head %lld, col %lld): got %.5g ref %.5g\n",
+              what, wi, static_cast<long long>(row), static_cast<long long>(rem / D),
+              static_cast<long long>(rem % D), dt.dec(x[wi]), ref[wi]);
+}
+
+Buffers UploadInputs(const Problem& P) {
+  Buffers b;
+  b.q = Upload(P.q);
+  b.k = Upload(P.k);
+  b.v = Upload(P.v);
+  b.bias = Upload(P.bias);
+  b.dout = Upload(P.dout);
+  b.mask = Upload(P.mask);
+  b.dlse = Upload(P.dlse);
+  b.ql = Upload(P.q_lens);
+  b.kl = Upload(P.kv_lens);
+  return b;
+}
+void FreeInputs(Buffers& b) {
+  for (void* p : {static_cast<void*>(b.q), static_cast<void*>(b.k), static_cast<void*>(b.v),
+                  static_cast<void*>(b.bias), static_cast<void*>(b.dout),
+                  static_cast<void*>(b.mask), static_cast<void*>(b.dlse),
+                  static_cast<void*>(b.ql), static_cast<void*>(b.kl)})
+    if (p) CK(cudaFree(p));
+}
+
+OperandSpec Op(std::vector<int64_t> batch, int64_t heads, bool rows, bool cols) {
+  OperandSpec o;
+  o.present = true;
+  o.batch = std::move(batch);
+  o.heads = heads;
+  o.rows = rows;
+  o.cols = cols;
+  return o;
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> v;
+  auto add = [&](Case c) { v.push_back(c); };
+  {
+    Case c; c.name = "dense_d64"; c.batch = {2}; c.H = 4; c.Hk = 4; c.Lq = 128; c.Lk = 128;
+    c.D = 64; add(c);
+  }
+  {
+    Case c; c.name = "irregular_q17_k129_d96_mask_bias"; c.batch = {1}; c.H = 4; c.Hk = 2;
+    c.Lq = 17; c.Lk = 129; c.D = 96;
+    c.mask = Op({1}, 4, true, true); c.bias = Op({1}, 4, true, true); add(c);
+  }
+  {
+    Case c; c.name = "causal_q100_k300_d128_bias"; c.H = 2; c.Hk = 2; c.Lq = 100; c.Lk = 300;
+    c.D = 128; c.causal = true; c.bias = Op({1}, 2, true, true); c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "causal_q300_k100_d64_bcastmask"; c.H = 2; c.Hk = 1; c.Lq = 300;
+    c.Lk = 100; c.D = 64; c.causal = true; c.mask = Op({1}, 1, true, true); add(c);
+  }
+  {
+    Case c; c.name = "gqa8_2_mask11LL_bias_perkey_d128"; c.batch = {2}; c.H = 8; c.Hk = 2;
+    c.Lq = 256; c.Lk = 256; c.D = 128; c.mask = Op({1}, 1, true, true);
+    c.bias = Op({2}, 2, false, true); add(c);
+  }
+  {
+    Case c; c.name = "masked_rows_tiles_d64"; c.H = 2; c.Hk = 2; c.Lq = 200; c.Lk = 300;
+    c.D = 64; c.mask = Op({1}, 2, true, true); c.mask_holes = true; c.mask_density = 0.5f;
+    c.bias = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "seqlens_d32"; c.batch = {3}; c.H = 2; c.Hk = 1; c.Lq = 150; c.Lk = 170;
+    c.D = 32; c.seqlens = true; c.q_lens = {150, 50, 0}; c.kv_lens = {167, 70, 10};
+    c.bias = Op({3}, 1, true, true); c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "softcap_d256_bias"; c.H = 2; c.Hk = 2; c.Lq = 130; c.Lk = 130; c.D = 256;
+    c.softcap = 5.f; c.qk_std = 1.5f; c.bias = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "window40_10_d192_bias1row"; c.H = 2; c.Hk = 2; c.Lq = 200; c.Lk = 200;
+    c.D = 192; c.window_left = 40; c.window_right = 10; c.bias = Op({1}, 1, false, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "kvbatch_bcast_d64_atomic_bias"; c.batch = {2, 2}; c.kv_batch = {1, 2};
+    c.H = 4; c.Hk = 2; c.Lq = 96; c.Lk = 96; c.D = 64; c.mask = Op({1, 2}, 2, true, true);
+    c.bias = Op({2, 1}, 4, true, true); add(c);
+  }
+  {
+    Case c; c.name = "bias_colbcast_d64"; c.H = 2; c.Hk = 2; c.Lq = 70; c.Lk = 150; c.D = 64;
+    c.bias = Op({1}, 2, true, false); c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "deterministic_gqa_d128"; c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 190;
+    c.Lk = 230; c.D = 128; c.mask = Op({2}, 2, true, true); c.mask_holes = true;
+    c.bias = Op({2}, 2, false, true); c.deterministic = true; add(c);
+  }
+  {
+    Case c; c.name = "fp16_causal_d128_mask_bias"; c.bf16 = false; c.H = 4; c.Hk = 4;
+    c.Lq = 257; c.Lk = 257; c.D = 128; c.causal = true; c.mask = Op({1}, 4, true, true);
+    c.bias = Op({1}, 4, true, true); add(c);
+  }
+  {
+    Case c; c.name = "fp16_mqa_d64_k1000"; c.bf16 = false; c.H = 8; c.Hk = 1; c.Lq = 65;
+    c.Lk = 1000; c.D = 64; c.mask = Op({1}, 1, true, true); c.bias = Op({1}, 8, false, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "causal_1000_d128_mask_bias"; c.H = 2; c.Hk = 1; c.Lq = 1000; c.Lk = 1000;
+    c.D = 128; c.causal = true; c.mask = Op({1}, 2, true, true); c.mask_density = 0.3f;
+    c.mask_holes = true; c.bias = Op({1}, 2, true, true); c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "d32_bias_vec"; c.H = 2; c.Hk = 2; c.Lq = 64; c.Lk = 64; c.D = 32;
+    c.bias = Op({1}, 2, true, true); c.mask = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "mqa4_d256_mask"; c.H = 4; c.Hk = 1; c.Lq = 200; c.Lk = 200; c.D = 256;
+    c.mask = Op({1}, 1, true, true); c.mask_holes = true; add(c);
+  }
+  {
+    Case c; c.name = "decode_q1_k1000_d128"; c.H = 8; c.Hk = 2; c.Lq = 1; c.Lk = 1000;
+    c.D = 128; c.mask = Op({1}, 2, true, true); c.bias = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "all_masked_d64"; c.H = 2; c.Hk = 2; c.Lq = 70; c.Lk = 90; c.D = 64;
+    c.mask = Op({1}, 2, true, true); c.mask_density = 0.f; c.bias = Op({1}, 2, true, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "fp16_d96_window_seqlens"; c.bf16 = false; c.batch = {2}; c.H = 2;
+    c.Hk = 2; c.Lq = 140; c.Lk = 150; c.D = 96; c.window_left = 30; c.window_right = 30;
+    c.seqlens = true; c.q_lens = {140, 77}; c.kv_lens = {150, 33};
+    c.mask = Op({2}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "fp16_d192_bias_bcast_heads_rows"; c.bf16 = false; c.batch = {2};
+    c.H = 4; c.Hk = 4; c.Lq = 100; c.Lk = 128; c.D = 192; c.bias = Op({1}, 1, true, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "fp16_d32_d256like_softcap"; c.bf16 = false; c.H = 2; c.Hk = 1;
+    c.Lq = 129; c.Lk = 64; c.D = 32; c.softcap = 3.f; c.qk_std = 2.f; c.causal = true;
+    c.bias = Op({1}, 1, false, true); add(c);
+  }
+  {
+    // vmap layout: k, v and bias read with stride 0 over the batch, their gradients full-size
+    Case c; c.name = "vmap_grads_full_d64"; c.batch = {2}; c.kv_batch = {1}; c.dkv_batch = {2};
+    c.H = 4; c.Hk = 2; c.Lq = 80; c.Lk = 144; c.D = 64; c.bias = Op({1}, 4, true, true);
+    c.dbias_batch = {2}; c.mask = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "vmap_perkey_bias_d128"; c.batch = {3}; c.kv_batch = {1}; c.dkv_batch = {3};
+    c.H = 4; c.Hk = 1; c.Lq = 64; c.Lk = 200; c.D = 128; c.bias = Op({1}, 1, false, true);
+    c.dbias_batch = {3}; c.causal = true; add(c);
+  }
+  {
+    Case c; c.name = "gqa_bcast_kv_summed_d128"; c.batch = {2, 3}; c.kv_batch = {2, 1};
+    c.H = 4; c.Hk = 2; c.Lq = 50; c.Lk = 70; c.D = 128; c.bias = Op({2, 1}, 2, false, true);
+    c.deterministic = true; add(c);
+  }
+  return v;
+}
+
+std::vector<Case> QuickCases() {
+  std::vector<Case> v;
+  {
+    Case c; c.name = "quick_q17_k129_d64_mask_bias"; c.H = 2; c.Hk = 1; c.Lq = 17; c.Lk = 129;
+    c.D = 64; c.mask = Op({1}, 2, true, true); c.bias = Op({1}, 2, true, true);
+    c.causal = true; v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_q70_k33_d128_bcast"; c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 70;
+    c.Lk = 33; c.D = 128; c.mask = Op({1}, 1, false, true); c.bias = Op({2}, 2, false, true);
+    v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_atomic_dbias_d64"; c.batch = {2}; c.H = 2; c.Hk = 2; c.Lq = 40;
+    c.Lk = 50; c.D = 64; c.bias = Op({1}, 1, true, true); v.push_back(c);
+  }
+  return v;
+}
+
+bool Compiled(const Case& c) {
+  return dmattn::cuda::SupportsHeadDim(c.D) && DtypeCompiled(c.bf16);
+}
+
+void Bench() {
+  struct B {
+    const char* name;
+    Case c;
+    double flops_fwd;
+  };
+  std::vector<B> benches;
+  auto mk = [](const char* n, int64_t b, int64_t h, int64_t hk, int64_t l, int64_t d, bool causal,
+               bool maskbias, bool perkey) {
+    Case c;
+    c.name = n;
+    c.batch = {b};
+    c.H = h;
+    c.Hk = hk;
+    c.Lq = l;
+    c.Lk = l;
+    c.D = d;
+    c.causal = causal;
+    if (maskbias) {
+      c.mask = Op({b}, h, true, true);
+      c.bias = Op({b}, h, true, true);
+      c.mask_density = 1.f;
+    }
+    if (perkey) {
+      c.bias = Op({b}, hk, false, true);
+      c.mask = Op({b}, hk, true, true);
+      c.mask_density = 1.f;
+    }
+    return c;
+  };
+  benches.push_back({"dense d128 L4k B4 H16", mk("b1", 4, 16, 16, 4096, 128, false, false, false), 0});
+  {
+    Case c = mk("b1d", 4, 16, 16, 4096, 128, false, false, false);
+    c.deterministic = true;
+    benches.push_back({"dense d128 L4k B4 H16 (deterministic dq kernel)", c, 0});
+  }
+  benches.push_back({"dense d128 L4k B4 H16 causal", mk("b2", 4, 16, 16, 4096, 128, true, false, false), 0});
+  {
+    Case c = mk("b2d", 4, 16, 16, 4096, 128, true, false, false);
+    c.deterministic = true;
+    benches.push_back({"dense d128 L4k B4 H16 causal (deterministic)", c, 0});
+  }
+  benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
+  {
+    Case c = mk("b3d", 4, 32, 32, 4096, 64, false, false, false);
+    c.deterministic = true;
+    benches.push_back({"dense d64 L4k B4 H32 (deterministic)", c, 0});
+  }
+  benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
+  benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
+  benches.push_back({"per-key bias, mask[B,Hk,L,L] d128 L16k H2 Hk1 causal", mk("b5", 1, 2, 1, 16384, 128, true, false, true), 0});
+  {
+    Case c = mk("b6", 1, 16, 16, 8192, 128, false, false, false);
+    c.mask = Op({1}, 1, true, true);
+    c.mask_density = 1.f;
+    benches.push_back({"mask[1,1,L,L] all true d128 L8k H16", c, 0});
+    c.block_density = 0.1f;
+    benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L8k H16 (dense flops)", c, 0});
+  }
+  std::printf("\n%-55s %10s %10s %10s %10s\n", "bench (bf16)", "fwd ms", "fwd TF/s", "bwd ms",
+              "bwd TF/s");
+  for (auto& b : benches) {
+    if (!Compiled(b.c)) continue;
+    Problem P = Build(b.c, 7, true);
+    Buffers in = UploadInputs(P);
+    float mf = 0, mb = 0;
+    DeviceOut o;
+    FwdOut f = RunForwardDevice(P, in, &o, &mf, 10);
+    RunBackwardDevice(P, in, f, &o, &mb, 10);
+    FreeFwd(f);
+    double fl = 4.0 * P.B * b.c.H * b.c.Lq * b.c.Lk * b.c.D * (b.c.causal ? 0.5 : 1.0);
+    std::printf("%-55s %10.3f %10.1f %10.3f %10.1f\n", b.name, mf, fl / mf / 1e9, mb,
+                2.5 * fl / mb / 1e9);
+    FreeInputs(in);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, bench = false, list = false, bench_only = false;
+  std::string only, exact;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--bench")) bench = true;
+    if (!std::strcmp(argv[i], "--list")) list = true;
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    if (!std::strcmp(argv[i], "--case") && i + 1 < argc) exact = argv[++i];
+    if (!std::strcmp(argv[i], "--bench-only")) bench = bench_only = true;
+  }
+  if (list) {
+    for (const Case& c : AllCases()) std::printf("%s\n", c.name.c_str());
+    return 0;
+  }
+  int dev = 0;
+  cudaDeviceProp prop;
+  CK(cudaGetDevice(&dev));
+  CK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+
+  const std::vector<Case> cases = quick ? QuickCases() : AllCases();
+  int failures = 0, ran = 0;
+  std::printf("%-36s %-4s %8s %8s %8s %8s %8s %8s %5s %s\n", "case", "dt", "out", "lse_abs",
+              "dq", "dk", "dv", "dbias", "det", "status");
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const Case& c = cases[ci];
+    if (bench_only) break;
+    if (!only.empty() && c.name.find(only) == std::string::npos) continue;
+    if (!exact.empty() && c.name != exact) continue;
+    if (!Compiled(c)) {
+      std::printf("%-36s skipped (head dim %lld / dtype not compiled)\n", c.name.c_str(),
+                  static_cast<long long>(c.D));
+      continue;
+    }
+    ++ran;
+    Problem P = Build(c, 1234 + ci);
+    Ref R = Reference(P);
+    Buffers in = UploadInputs(P);
+    DeviceOut o;
+    FwdOut f = RunForwardDevice(P, in, &o, nullptr, 0);
+    const Err eo = Compare16(o.out, R.out, P.dt);
+    const Err el = CompareLse(o.lse, R.lse);
+    // rows with no visible key: exactly zero output
+    bool zero_ok = true;
+    for (int64_t b = 0; b < P.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.Lq; ++i) {
+          if (!R.empty_row[P.s.lse_offset(b, h) + i]) continue;
+          for (int64_t e = 0; e < c.D; ++e)
+            if (P.dt.dec(o.out[P.s.q_offset(b, h) + i * P.s.q_row_stride() + e]) != 0.f)
+              zero_ok = false;
+        }
+    std::printf("%-36s %-4s %8.1e %8.1e ", c.name.c_str(), c.bf16 ? "bf16" : "fp16", eo.rel,
+                el.rel);
+    std::fflush(stdout);
+    RunBackwardDevice(P, in, f, &o, nullptr, 0);
+    bool det_ok = true;
+    if (c.deterministic) {
+      DeviceOut o2;
+      RunBackwardDevice(P, in, f, &o2, nullptr, 0);
+      det_ok = o2.dq == o.dq && o2.dk == o.dk && o2.dv == o.dv && o2.dbias == o.dbias;
+    }
+    FreeFwd(f);
+    FreeInputs(in);
+    const Err eq = Compare16(o.dq, R.dq, P.dt);
+    const Err ek = Compare16(o.dk, R.dk, P.dt);
+    const Err ev = Compare16(o.dv, R.dv, P.dt);
+    Err eb;
+    if (P.s.bias.present) eb = Compare16(o.dbias, R.dbias, P.dt);
+    const bool nan = eo.nan || el.nan || eq.nan || ek.nan || ev.nan || eb.nan;
+    const bool ok = !nan && zero_ok && det_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&
+                    eq.rel <= 2e-2 && ek.rel <= 2e-2 && ev.rel <= 2e-2 && eb.rel <= 2e-2;
+    if (!ok) ++failures;
+    std::printf("%8.1e %8.1e %8.1e %8.1e %5s %s%s%s\n", eq.rel, ek.rel, ev.rel, eb.rel,
+                c.deterministic ? (det_ok ? "yes" : "NO") : "-", ok ? "PASS" : "FAIL",
+                nan ? " (NaN/inf)" : "", zero_ok ? "" : " (masked row not zero)");
+    if (!ok) {
+      const int64_t qrow = c.H * c.D, kvrow = c.Hk * c.D;
+      if (eo.rel > 1e-2 || eo.nan) Worst("out", o.out, R.out, P.dt, qrow, c.H, c.D);
+      if (eq.rel > 2e-2 || eq.nan) Worst("dq", o.dq, R.dq, P.dt, qrow, c.H, c.D);
+      if (ek.rel > 2e-2 || ek.nan) Worst("dk", o.dk, R.dk, P.dt, kvrow, c.Hk, c.D);
+      if (ev.rel > 2e-2 || ev.nan) Worst("dv", o.dv, R.dv, P.dt, kvrow, c.Hk, c.D);
+      if (eb.rel > 2e-2 || eb.nan) {
+        const int64_t cols = c.bias.cols ? c.Lk : 1;
+        Worst("dbias", o.dbias, R.dbias, P.dt, cols, 1, cols);
+      }
+      if (el.nan || el.rel > 5e-2) {
+        for (size_t i = 0; i < R.lse.size(); ++i) {
+          const bool bad = std::isinf(R.lse[i]) ? !(std::isinf(o.lse[i]) && o.lse[i] < 0)
+                                                : !(std::fabs(o.lse[i] - R.lse[i]) <= 5e-2);
+          if (bad) {
+            std::printf("    first bad lse at flat %zu ([b,h] row %zu, i %zu): got %g ref %g\n",
+                        i, i / c.Lq, i % c.Lq, o.lse[i], R.lse[i]);
+            break;
+          }
+        }
+      }
+    }
+    std::fflush(stdout);
+  }
+  if (bench) Bench();
+  std::printf("\n%d case(s) run, %d failed\n", ran, failures);
+  return failures ? 1 : 0;
+}
