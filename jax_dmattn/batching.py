@@ -1,9 +1,10 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-An unmapped k, v, mask, bias or length array gets a size-1 dim there (a free reshape) and is read
-with stride 0, so vmap never copies it. The query-shaped operands (q, and out/dout/lse/dlse in the
-backward) define the batch: if one of them is unmapped while another operand is mapped, it is
-broadcast, which copies only a query-sized array.
+An unmapped mask, bias or length array gets a size-1 dim there (a free reshape) and is read with
+stride 0, so vmap never copies it; k and v likewise when both are unmapped. The query-shaped
+operands (q, and out/dout/lse/dlse in the backward) define the batch: one of them unmapped while
+another operand is mapped is broadcast, which copies a query-sized array, and so is k or v when
+only the other one is mapped (the kernels read k and v through one layout).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ def _leading(x, dim, size: int, broadcast: bool):
     return jnp.moveaxis(x, dim, 0)
 
 
-def _batch(primitive, num_query_like: int):
+def _batch(primitive, query_like: frozenset[int]):
     def rule(args, dims, **params):
-        size = next(x.shape[d] for x, d in zip(args, dims, strict=True)
-                    if d is not None)
-        moved = [_leading(x, d, size, broadcast=i == 0 or (3 <= i < num_query_like))
+        size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+        kv_differ = (dims[1] is None) != (dims[2] is None)
+        moved = [_leading(x, d, size, broadcast=i in query_like or (kv_differ and i in (1, 2)))
                  for i, (x, d) in enumerate(zip(args, dims, strict=True))]
         outs = primitive.bind(*moved, **params)
         return outs, [0] * len(outs)
@@ -33,6 +34,6 @@ def _batch(primitive, num_query_like: int):
     return rule
 
 
-batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, num_query_like=1)
-# q, out, dout, lse, dlse are query-shaped (indices 0 and 3..6).
-batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, num_query_like=7)
+batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, frozenset({0}))
+# q, out, dout, lse, dlse are query-shaped (operands 0 and 3..6).
+batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, frozenset({0, 3, 4, 5, 6}))

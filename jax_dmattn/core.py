@@ -29,7 +29,26 @@ def attention(
     """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands."""
     if params.implementation == "xla":
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
-    return _attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+    return _attention(params, *_vary_alike(q, k, v, mask, bias, q_lens, kv_lens))
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary_alike(*operands):
+    """Inside shard_map, makes every operand vary over the same manual axes, as the kernels'
+    outputs do; the transpose of that cast then sums an invariant input's gradient (a replicated
+    bias's dbias) over those axes, as it must."""
+    axes = frozenset().union(*(_varying_axes(x) for x in operands if x is not None))
+    if not axes:
+        return operands
+    return tuple(x if x is None or _varying_axes(x) == axes
+                 else jax.lax.pcast(x, tuple(sorted(axes - _varying_axes(x))), to="varying")
+                 for x in operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

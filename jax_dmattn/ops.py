@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+from jax.sharding import PartitionSpec
 
 from jax_dmattn import _ffi, reference
 from jax_dmattn.params import AttentionParams
@@ -87,18 +88,25 @@ def gradient_shape(x_shape: Sequence[int], q_shape: Sequence[int], api_batch_dim
     return (*q_shape[:vmap_dims], *x_shape[vmap_dims:])
 
 
+def _like(q, shape, dtype):
+    """An aval of `shape` that varies over q's manual mesh axes (shard_map's check_vma)."""
+    if tuple(shape) == q.shape:
+        return q.update(dtype=dtype, weak_type=False)
+    return q.update(shape=shape, dtype=dtype, weak_type=False,
+                    sharding=q.sharding.update(spec=PartitionSpec()))
+
+
 def _forward_abstract_eval(q, k, v, *extras, params, opts):
-    return (jax.core.ShapedArray(q.shape, q.dtype),
-            jax.core.ShapedArray(lse_shape(q.shape), jnp.float32))
+    return _like(q, q.shape, q.dtype), _like(q, lse_shape(q.shape), jnp.float32)
 
 
 def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
     _, bias, _, _ = opts.split(extras)
-    grads = [jax.core.ShapedArray(q.shape, q.dtype),
-             jax.core.ShapedArray(gradient_shape(k.shape, q.shape, 1), k.dtype),
-             jax.core.ShapedArray(gradient_shape(v.shape, q.shape, 1), v.dtype)]
+    grads = [_like(q, q.shape, q.dtype),
+             _like(q, gradient_shape(k.shape, q.shape, 1), k.dtype),
+             _like(q, gradient_shape(v.shape, q.shape, 1), v.dtype)]
     if bias is not None:
-        grads.append(jax.core.ShapedArray(gradient_shape(bias.shape, q.shape, 1), bias.dtype))
+        grads.append(_like(q, gradient_shape(bias.shape, q.shape, 1), bias.dtype))
     return grads
 
 

@@ -167,11 +167,17 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     layout = _Layout(opts, shapes, backward)
     names = iter(f"{a}{b}" for a in string.ascii_lowercase for b in string.ascii_lowercase)
     batch = [next(names) for _ in range(layout.num_batch)]
-    lq, lk, d, hk = next(names), next(names), next(names), next(names)
-    grouped = layout.heads != layout.kv_heads
-    g = next(names)
-    heads = f"({hk} {g})" if grouped else hk
-    factor_sizes = {g: layout.heads // layout.kv_heads} if grouped else {}
+    lq, lk, d = next(names), next(names), next(names)
+    # Shardy rejects size-1 factors inside a compound dim, so MQA names the query heads alone.
+    group = layout.heads // layout.kv_heads
+    if layout.kv_heads == 1:
+        heads, hk, factor_sizes = next(names), next(names), {}
+    elif group == 1:
+        heads = hk = next(names)
+        factor_sizes = {}
+    else:
+        hk, g = next(names), next(names)
+        heads, factor_sizes = f"({hk} {g})", {g: group}
 
     def batch_of(shape, full_over=0):
         return [b if (shape[i] == layout.batch[i] or i < full_over) else next(names)

@@ -6,7 +6,12 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "common/params.h"
+#include "cpu/simd.h"
 
 namespace dmattn::cpu {
 
@@ -48,6 +53,31 @@ inline BFloat16 FromFloat<BFloat16>(float x) {
   // Round to nearest, ties to even: add 0x7fff plus the lowest kept bit, then truncate.
   u += 0x7fffu + ((u >> 16) & 1u);
   return BFloat16{static_cast<uint16_t>(u >> 16)};
+}
+
+// Eight consecutive elements as floats, in vector registers (the tile loaders' inner step).
+inline Vec8 LoadAsFloats(const float* p) { return LoadVec(p); }
+
+inline Vec8 LoadAsFloats(const Float16* p) {
+#if defined(__F16C__)
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec8>(_mm256_cvtph_ps(halves));
+#else
+  Vec8 v;
+  for (int k = 0; k < kVecWidth; ++k) v[k] = ToFloat(p[k]);
+  return v;
+#endif
+}
+
+inline Vec8 LoadAsFloats(const BFloat16* p) {
+  typedef uint16_t U16x8 __attribute__((vector_size(16)));
+  typedef uint32_t U32x8 __attribute__((vector_size(32)));
+  U16x8 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const U32x8 wide = __builtin_convertvector(bits, U32x8) << 16;
+  Vec8 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
 }
 
 template <typename T>

@@ -1,16 +1,15 @@
-// Tile geometry, visibility and the score tile shared by the forward and both backward passes.
+// Tile geometry and visibility, shared by the forward and both backward passes.
 //
-// A tile is kBlockM query rows × kBlockN keys of one (batch, head) item. Everything here is
-// computed the same way in every pass, so the backward recomputes exactly the forward's scores.
+// A tile is kBlockM query rows × kBlockN keys of one (batch, head) item. Which tiles are skipped
+// and which scores are hidden is decided here alone, so every pass agrees.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "common/params.h"
-#include "cpu/element_types.h"
-#include "cpu/fast_math.h"
 #include "cpu/gemm.h"
 #include "cpu/simd.h"
 
@@ -125,11 +124,47 @@ inline bool MaskRowAny(const bool* mask_row, int64_t col_stride, Range cols) {
   return any != 0;
 }
 
+// OR of the mask over rows [0, rows) × contiguous columns [0, cols): 32 bytes per load and one
+// test per 8 rows, so the (cache-missing) row loads overlap instead of each waiting on a branch.
+inline bool MaskBlockAny(const bool* first_row, int64_t row_stride, int64_t rows, int64_t cols) {
+  typedef uint8_t Bytes32 __attribute__((vector_size(32)));
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(first_row);
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    Bytes32 wide{};
+    uint8_t narrow = 0;
+    for (int64_t r = r0; r < std::min(r0 + 8, rows); ++r) {
+      const uint8_t* row = m + r * row_stride;
+      int64_t c = 0;
+      for (; c + 32 <= cols; c += 32) {
+        Bytes32 v;
+        std::memcpy(&v, row + c, sizeof(v));
+        wide |= v;
+      }
+      for (; c < cols; ++c) narrow |= row[c];
+    }
+    uint64_t words[4];
+    std::memcpy(words, &wide, sizeof(words));
+    if ((words[0] | words[1] | words[2] | words[3] | narrow) != 0) return true;
+  }
+  return false;
+}
+
 // Whether any (row, key) of the tile is visible: the diagonal/window rule first, then an OR over
 // the mask entries it leaves (upstream's __syncthreads_or). A false answer means the tile is
 // skipped: no K/V/bias loads, no math. item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
+  if (t.rows == 0 || t.cols == 0) return false;
+  // Row ranges only move right, so the rule leaves the whole tile when the last row starts at
+  // column 0 and the first row ends at the last column: the common case, scanned block-wise.
+  const bool whole_tile = RowVisibleCols(shape, item, t, t.rows - 1).begin == 0 &&
+                          RowVisibleCols(shape, item, t, 0).end == t.cols;
+  if (whole_tile && item_mask == nullptr) return true;
+  if (whole_tile && shape.mask.col_stride == 1) {
+    const int64_t rows = shape.mask.broadcast_over_rows() ? 1 : t.rows;
+    return MaskBlockAny(OperandRow(item_mask, shape.mask, t, 0), shape.mask.row_stride, rows,
+                        t.cols);
+  }
   for (int64_t r = 0; r < t.rows; ++r) {
     const Range cols = RowVisibleCols(shape, item, t, r);
     if (cols.empty()) continue;
@@ -138,91 +173,6 @@ inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
       return true;
   }
   return false;
-}
-
-// dst[r][d] = scale * src[r][d] for r < rows, d < dim (src rows src_stride apart); zeros in the
-// rest of the padded_rows × ld tile.
-template <typename T>
-void LoadRows(const T* src, int64_t src_stride, int64_t rows, int64_t dim, float scale,
-              float* dst, int64_t ld, int64_t padded_rows) {
-  for (int64_t r = 0; r < padded_rows; ++r) {
-    float* __restrict d = dst + r * ld;
-    int64_t c = 0;
-    if (r < rows) {
-      const T* __restrict s = src + r * src_stride;
-      for (; c < dim; ++c) d[c] = scale * ToFloat(s[c]);
-    }
-    for (; c < ld; ++c) d[c] = 0.f;
-  }
-}
-
-// dst[d][c] = src[c][d] for c < cols, d < dim (a K or V tile stored key-minor, so that score
-// rows are axpy loops over contiguous keys); zeros for c in [cols, padded_cols).
-template <typename T>
-void LoadTransposed(const T* src, int64_t src_stride, int64_t cols, int64_t dim, float* dst,
-                    int64_t ld, int64_t padded_cols) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const T* __restrict s = src + c * src_stride;
-    for (int64_t d = 0; d < dim; ++d) dst[d * ld + c] = ToFloat(s[d]);
-  }
-  for (int64_t d = 0; d < dim; ++d)
-    for (int64_t c = cols; c < padded_cols; ++c) dst[d * ld + c] = 0.f;
-}
-
-// The tile's scores s[r][c] (row stride kBlockN) over t.padded_rows() × t.padded_cols():
-// bias + q·kᵀ (q already multiplied by the scale), softcapped, then -inf where the key is not
-// visible to the row. With softcap on and cap_grad not null, cap_grad[r][c] receives the softcap's
-// derivative 1 - tanh². item_mask / item_bias point at this item's (row 0, col 0), or are null.
-template <typename T>
-void ComputeScores(const AttentionShape& shape, const HeadItem& item, const bool* item_mask,
-                   const T* item_bias, const Tile& t, const float* q, int64_t q_ld,
-                   const float* kt, float* s, float* cap_grad) {
-  const int64_t rows = t.padded_rows(), cols = t.padded_cols();
-  // The accumulator starts from the bias tile, so the product adds onto it.
-  for (int64_t r = 0; r < rows; ++r) {
-    float* __restrict srow = s + r * kBlockN;
-    int64_t c = 0;
-    if (item_bias != nullptr && r < t.rows) {
-      const T* __restrict b = OperandRow(item_bias, shape.bias, t, r);
-      const int64_t stride = shape.bias.col_stride;
-      if (stride == 1) {
-        for (; c < t.cols; ++c) srow[c] = ToFloat(b[c]);
-      } else {
-        for (; c < t.cols; ++c) srow[c] = ToFloat(b[c * stride]);
-      }
-    }
-    for (; c < cols; ++c) srow[c] = 0.f;
-  }
-  GemmAccumulate(rows, cols, shape.head_dim, q, q_ld, 1, kt, kBlockN, s, kBlockN);
-
-  if (shape.softcap > 0.f) {
-    const float cap = shape.softcap, inv_cap = 1.f / shape.softcap;
-    for (int64_t r = 0; r < rows; ++r) {
-      float* __restrict srow = s + r * kBlockN;
-      float* __restrict grow = cap_grad != nullptr ? cap_grad + r * kBlockN : nullptr;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float th = FastTanh(srow[c] * inv_cap);
-        srow[c] = cap * th;
-        if (grow != nullptr) grow[c] = 1.f - th * th;
-      }
-    }
-  }
-
-  for (int64_t r = 0; r < rows; ++r) {
-    float* __restrict srow = s + r * kBlockN;
-    const Range vis = r < t.rows ? RowVisibleCols(shape, item, t, r) : Range{};
-    for (int64_t c = 0; c < cols; ++c)
-      srow[c] = (c >= vis.begin && c < vis.end) ? srow[c] : -INFINITY;
-    if (item_mask == nullptr || vis.empty()) continue;
-    const bool* m = OperandRow(item_mask, shape.mask, t, r);
-    const int64_t stride = shape.mask.col_stride;
-    if (stride == 1) {
-      for (int64_t c = vis.begin; c < vis.end; ++c) srow[c] = m[c] ? srow[c] : -INFINITY;
-    } else {
-      for (int64_t c = vis.begin; c < vis.end; ++c)
-        srow[c] = m[c * stride] ? srow[c] : -INFINITY;
-    }
-  }
 }
 
 }  // namespace dmattn::cpu

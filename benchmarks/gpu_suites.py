@@ -1,0 +1,504 @@
+"""GPU: jax_dmattn vs jax.nn.dot_product_attention (cudnn, xla), side by side (DESIGN.md §5).
+
+The four suites of the performance protocol, each timed in one run on the same bf16 inputs:
+forward (jit) and forward+backward (jit of value_and_grad wrt q, k, v and the bias when there is
+one), median of timed calls after warm-up. A cell that fails (unsupported config, OOM) is recorded
+as "n/a (reason)" and the run goes on. Each suite writes gpu_<suite>.md and gpu_<suite>.json.
+
+    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,all} [--quick]
+        [--iters 20] [--out benchmarks/results]
+
+Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
+(jax_dmattn with implementation=None, cuDNN skipped); such results never go to benchmarks/results.
+Plots: python benchmarks/plot_results.py benchmarks/results/gpu_<suite>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_dmattn
+from jax_dmattn._timing import attention_flops, median_ms
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SUITES = ("dense", "bias_mask", "dynamic", "density")
+IMPLS = ("jax_dmattn", "cudnn", "xla")
+NAMES = {"jax_dmattn": "jax_dmattn", "cudnn": "cuDNN", "xla": "xla"}
+BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
+DTYPE = jnp.bfloat16
+JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
+               "timed call (cuDNN takes no bool mask); that cost is part of its time")
+
+
+@dataclasses.dataclass
+class Bench:
+    """How to run every cell: platform, our implementation, timing counts, problem sizes."""
+
+    on_gpu: bool
+    quick: bool
+    iters: int
+    warmup: int
+
+    @property
+    def ours(self) -> str | None:
+        return "cuda" if self.on_gpu else None
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def kilo(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, DTYPE)
+
+
+def qkv(batch: int, length: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """Random q, k, v and the output cotangent dout, all [B, L, heads, D] bf16."""
+    return dict(q=normal(1, (batch, length, heads, head_dim)),
+                k=normal(2, (batch, length, kv_heads, head_dim)),
+                v=normal(3, (batch, length, kv_heads, head_dim)),
+                dout=normal(4, (batch, length, heads, head_dim)))
+
+
+def free(*trees) -> None:
+    """Deletes the device buffers of the arrays in `trees` and drops compiled executables."""
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+    jax.clear_caches()
+
+
+def topk_mask_reference(bias: jax.Array, window: int) -> jax.Array:
+    """Causal top-`window` mask of a per-key bias: [B, Hk, 1, L] → bool [B, Hk, L, L].
+
+    Key j is kept for query row i iff j <= i and bias_j is among the `window` largest biases of the
+    keys visible to row i (every visible key when fewer than `window`). The plain `lax.top_k` over
+    the causally masked broadcast [L, L] scores; a faster generator from `jax_dmattn.masks` can
+    replace it (same signature).
+    """
+    batch, kv_heads, _, length = bias.shape
+    window = min(window, length)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    scores = jnp.where(causal, bias, -jnp.inf)  # [B, Hk, L, L]
+    _, index = jax.lax.top_k(scores, window)  # [B, Hk, L, W]; exactly W per row, even with ties
+    b = jnp.arange(batch)[:, None, None, None]
+    h = jnp.arange(kv_heads)[None, :, None, None]
+    row = jnp.arange(length)[None, None, :, None]
+    mask = jnp.zeros(scores.shape, bool).at[b, h, row, index].set(True)
+    return mask & causal  # rows with fewer than W visible keys picked some hidden ones: drop them
+
+
+def kept_pairs_topk(length: int, window: int) -> int:
+    """Visible (query, key) pairs of the causal top-`window` mask: Σ_i min(i + 1, window)."""
+    window = min(window, length)
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
+    """[1, 1, L, L] bool of block×block tiles, the diagonal ones and others at random.
+
+    Exactly round(density · blocks²) tiles are kept (at least the diagonal), so no row is empty.
+    """
+    blocks = -(-length // block)
+    keep = np.eye(blocks, dtype=bool)
+    off = np.flatnonzero(~keep)
+    extra = max(round(density * blocks * blocks) - blocks, 0)
+    keep.flat[np.random.default_rng(seed).permutation(off)[:extra]] = True
+    full = np.kron(keep, np.ones((block, block), bool))[:length, :length]
+    return jnp.asarray(full)[None, None]
+
+
+# ---- timing cells ---------------------------------------------------------------------------
+
+def attention_fn(impl: str, causal: bool, ours: str | None) -> Callable:
+    """(q, k, v, mask, bias) → out for one implementation."""
+    if impl == "jax_dmattn":
+        def attend(q, k, v, mask, bias):
+            return jax_dmattn.flash_dmattn(q, k, v, mask, bias, is_causal=causal,
+                                           implementation=ours)
+    else:
+        def attend(q, k, v, mask, bias):
+            return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
+                                                implementation=impl)
+    return attend
+
+
+def reason(error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "OOM"
+    return " ".join(text.split())[:300]
+
+
+def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool) -> dict[str, dict]:
+    """{"fwd": cell, "fwd+bwd": cell}; a cell is {"ms": …} or {"error": …}, never raises."""
+    if impl == "cudnn" and not bench.on_gpu:
+        return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
+    attend = attention_fn(impl, causal, bench.ours)
+    with_bias = inputs["bias"] is not None
+
+    def loss(q, k, v, mask, bias, dout):
+        return jnp.sum(attend(q, k, v, mask, bias).astype(jnp.float32) * dout)
+
+    args = [inputs[n] for n in ("q", "k", "v", "mask", "bias")]
+    passes = {
+        "fwd": (jax.jit(attend), args),
+        "fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4) if with_bias
+                                               else (0, 1, 2))), [*args, inputs["dout"]]),
+    }
+    cells = {}
+    for name, (fn, fn_args) in passes.items():
+        try:
+            cells[name] = {"ms": median_ms(fn, *fn_args, warmup=bench.warmup, iters=bench.iters)}
+        except Exception as error:  # one failing baseline must not stop the run
+            cells[name] = {"error": reason(error)}
+    jax.clear_caches()
+    return cells
+
+
+def measure(bench: Bench, suite: str, label: str, config: dict, inputs: dict, causal: bool,
+            flops: float, impls=IMPLS, overrides: dict | None = None) -> list[dict]:
+    """Times every implementation on `inputs` (or its entry of `overrides`): one row per pass.
+
+    A row: {"label", "config", "pass", "flops" (of the pass), "results": {impl: cell}}, where a
+    cell holds "ms" and "tflops", or "error".
+    """
+    rows = {p: {"label": label, "config": config, "pass": p,
+                "flops": flops * (BWD_FACTOR if p == "fwd+bwd" else 1.0), "results": {}}
+            for p in ("fwd", "fwd+bwd")}
+    for impl in impls:
+        cells = time_impl(bench, impl, {**inputs, **(overrides or {}).get(impl, {})}, causal)
+        for name, cell in cells.items():
+            if "ms" in cell:
+                cell = {"ms": round(cell["ms"], 4),
+                        "tflops": float(f"{rows[name]['flops'] / cell['ms'] / 1e9:.4g}")}
+            rows[name]["results"][impl] = cell
+            say(f"[{suite}] {label:34s} {impl:10s} {name:8s} {fmt_cell(cell, tflops=True)}")
+    return list(rows.values())
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """speedup vs cuDNN = cuDNN ms / jax_dmattn ms, where both ran (not for the shared mask gen)."""
+    for row in rows:
+        ours, cudnn = (row["results"].get(i, {}).get("ms") for i in ("jax_dmattn", "cudnn"))
+        useful = ours and cudnn and row["pass"] != "mask gen"
+        row["speedup_vs_cudnn"] = round(cudnn / ours, 3) if useful else None
+    return rows
+
+
+# ---- suites ---------------------------------------------------------------------------------
+
+def suite_dense(bench: Bench) -> tuple[list[dict], list[str]]:
+    """B·L = 16k tokens, H·D = 2048, D ∈ {64, 128}, L ∈ {1k, 4k, 16k}, causal and not."""
+    tokens, width, lengths = (512, 256, (128, 512)) if bench.quick else \
+        (16384, 2048, (1024, 4096, 16384))
+    rows = []
+    for head_dim in (64, 128):
+        for length in lengths:
+            batch, heads = tokens // length, width // head_dim
+            inputs = {**qkv(batch, length, heads, heads, head_dim), "mask": None, "bias": None}
+            for causal in (False, True):
+                label = (f"D={head_dim} L={kilo(length)} B={batch} H={heads}"
+                         + (" causal" if causal else ""))
+                config = dict(B=batch, L=length, H=heads, Hk=heads, D=head_dim, causal=causal)
+                flops = attention_flops(batch, heads, length, length, head_dim, causal)
+                rows += measure(bench, "dense", label, config, inputs, causal, flops)
+            free(inputs)
+    return rows, ["no mask, no bias; TF/s counts 4·B·H·L²·D (halved for causal) forward, "
+                  "3.5× that forward+backward"]
+
+
+def suite_bias_mask(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Full bias + mask [B, H, L, L]: B·L = 16k, H = 16, D = 128, causal, L ∈ {4k, 2k}."""
+    heads, head_dim = (2, 128) if bench.quick else (16, 128)
+    shapes = ((2, 256),) if bench.quick else ((4, 4096), (8, 2048))  # (B, L)
+    rows = []
+    for batch, length in shapes:
+        shape = (batch, heads, length, length)
+        keep = jax.random.bernoulli(jax.random.PRNGKey(5), 0.5, shape)
+        inputs = {**qkv(batch, length, heads, heads, head_dim), "bias": normal(6, shape),
+                  "mask": keep | jnp.eye(length, dtype=bool)}
+        del keep
+        label = f"D={head_dim} L={kilo(length)} B={batch} H={heads} causal"
+        config = dict(B=batch, L=length, H=heads, Hk=heads, D=head_dim, causal=True)
+        flops = attention_flops(batch, heads, length, length, head_dim, True)
+        rows += measure(bench, "bias_mask", label, config, inputs, True, flops)
+        free(inputs)
+    return rows, ["every implementation gets the same bias (bf16, random normal) and mask "
+                  "(bool, each element kept with p = 0.5, diagonal always kept), both "
+                  "[B, H, L, L]; gradients wrt q, k, v and the bias",
+                  "TF/s counts the dense causal FLOPs (the mask is elementwise, no tile is empty)",
+                  JAX_NN_MASK]
+
+
+def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
+    """B=1, H=2, Hk=1, per-key bias [B, Hk, 1, L], mask = causal top-W (W = 1024) of it."""
+    batch, heads, kv_heads = 1, 2, 1
+    window = 64 if bench.quick else 1024
+    lengths = (256, 512) if bench.quick else (4096, 8192, 16384, 32768)
+    generate = jax.jit(topk_mask_reference, static_argnums=1)
+    rows = []
+    for head_dim in (64, 128):
+        for length in lengths:
+            label = f"D={head_dim} L={kilo(length)} W={window}"
+            config = dict(B=batch, L=length, H=heads, Hk=kv_heads, D=head_dim, causal=True,
+                          window=window)
+            bias = normal(7, (batch, kv_heads, 1, length))
+            try:
+                mask_ms = round(median_ms(generate, bias, window, warmup=bench.warmup,
+                                          iters=bench.iters), 4)
+                mask_cell = {"ms": mask_ms}
+                mask = generate(bias, window)
+            except Exception as error:
+                mask_cell, mask = {"error": reason(error)}, None
+            say(f"[dynamic] {label:34s} {'mask gen':10s} {'':8s} {fmt_cell(mask_cell)}")
+            if mask is None:
+                rows.append({"label": label, "config": config, "pass": "mask gen", "flops": 0.0,
+                             "results": {impl: mask_cell for impl in IMPLS}})
+                free(bias)
+                continue
+            inputs = {**qkv(batch, length, heads, kv_heads, head_dim), "mask": mask, "bias": bias}
+            # cuDNN needs a bias with full query and key dims: materialised here, outside timing.
+            cudnn = {"bias": jnp.broadcast_to(bias, (batch, 1, length, length)).copy()}
+            flops = 4.0 * batch * heads * head_dim * kept_pairs_topk(length, window)
+            timed = measure(bench, "dynamic", label, config, inputs, True, flops,
+                            overrides={"cudnn": cudnn})
+            mask_row = {"label": label, "config": config, "pass": "mask gen", "flops": 0.0,
+                        "results": {}}
+            total = {"label": label, "config": config, "pass": "total", "flops": 0.0,
+                     "results": {}}
+            for impl, cell in timed[1]["results"].items():  # the fwd+bwd cells
+                ran = "skipped" not in cell.get("error", "")
+                mask_row["results"][impl] = mask_cell if ran else cell
+                total["results"][impl] = ({"ms": round(mask_ms + cell["ms"], 4)} if "ms" in cell
+                                          else cell)
+            rows += [mask_row, *timed, total]
+            free(inputs, cudnn)
+    return rows, [
+        "mask gen: `topk_mask_reference` (jitted `lax.top_k` over the causally masked broadcast "
+        "[L, L] scores, then a scatter), timed alone; the same mask feeds every implementation; "
+        "total = mask gen + fwd+bwd",
+        "jax_dmattn and xla take the per-key bias [B, Hk, 1, L] and the mask [B, Hk, L, L]; "
+        "† cuDNN takes the bias materialised to [B, 1, L, L] outside the timed region (its dbias "
+        "is then [B, 1, L, L]) and the same mask; all run with is_causal=True",
+        "TF/s counts only the kept (query, key) pairs: 4·B·H·D·Σᵢ min(i+1, W) forward, "
+        "3.5× that forward+backward", JAX_NN_MASK]
+
+
+def suite_density(bench: Bench) -> tuple[list[dict], list[str]]:
+    """B=1, H=2, Hk=1, D=128, L=16k, 128×128 block masks at 100…5 % density, non-causal."""
+    batch, heads, kv_heads, head_dim = 1, 2, 1, 128
+    length, block = (512, 64) if bench.quick else (16384, 128)
+    base = qkv(batch, length, heads, kv_heads, head_dim)
+    rows = []
+    for percent in (100, 50, 25, 10, 5):
+        mask = block_mask(length, percent / 100, block, seed=percent)
+        kept = int(jnp.sum(mask))
+        label = f"density {percent}% (actual {kept / length**2:.3f})"
+        config = dict(B=batch, L=length, H=heads, Hk=kv_heads, D=head_dim, causal=False,
+                      density=percent / 100, actual_density=kept / length**2)
+        flops = 4.0 * batch * heads * head_dim * kept
+        rows += measure(bench, "density", label, config, {**base, "mask": mask, "bias": None},
+                        False, flops, impls=("jax_dmattn", "cudnn"))
+        free(mask)
+    free(base)
+    for row in rows:  # time / time at 100 % density, per implementation and pass
+        dense = next(r for r in rows if r["pass"] == row["pass"])
+        row["vs_dense"] = {impl: round(cell["ms"] / dense["results"][impl]["ms"], 3)
+                           if "ms" in cell and "ms" in dense["results"][impl] else None
+                           for impl, cell in row["results"].items()}
+    return rows, [f"mask [1, 1, L, L] of {block}×{block} blocks (diagonal blocks always kept), "
+                  f"the same for both; no bias; B={batch} H={heads} Hk={kv_heads} D={head_dim} "
+                  f"L={kilo(length)}",
+                  "TF/s counts only the kept (query, key) pairs; '/ 100 %' = time over the time "
+                  "at 100 % density", JAX_NN_MASK]
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 1000 else f"{ms:.0f}"
+
+
+def fmt_tflops(tflops: float) -> str:
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
+
+
+def fmt_cell(cell: dict, tflops: bool = False, width: int = 300, unit: str = " ms") -> str:
+    if "error" in cell:
+        return f"n/a ({cell['error'][:width]})"
+    text = fmt_ms(cell["ms"]) + unit
+    return text + (f"  {fmt_tflops(cell['tflops'])} TF/s" if tflops and "tflops" in cell else "")
+
+
+def machine_info(on_gpu: bool) -> dict:
+    info = {"jax": jax.__version__, "jax_dmattn": jax_dmattn.__version__,
+            "python": platform.python_version(), "backend": jax.default_backend()}
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        info["git"] = commit or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = "unknown"
+    if not on_gpu:
+        try:
+            info["device"] = next(line.split(":", 1)[1].strip() for line in
+                                  Path("/proc/cpuinfo").read_text().splitlines()
+                                  if line.startswith("model name"))
+        except (OSError, StopIteration):
+            info["device"] = platform.processor() or platform.machine()
+        info["driver"] = "n/a (CPU)"
+        return info
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
+        info["device"], info["driver"] = (s.strip() for s in line.split(",", 1))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        info["device"], info["driver"] = jax.devices()[0].device_kind, "unknown"
+    try:
+        from jax._src.lib import cuda_versions  # private: best effort only
+        info["cudnn"] = str(cuda_versions.cudnn_get_version())
+    except Exception:
+        pass
+    return info
+
+
+def table(rows: list[dict], suite: str) -> list[str]:
+    """One markdown table: ms, TF/s, speedup vs cuDNN (and time / time at 100 % if present)."""
+    impls = [i for i in IMPLS if any(i in r["results"] for r in rows)]
+    mark = {i: "†" if suite == "dynamic" and i == "cudnn" else "" for i in impls}
+    head = ["config", "pass"] + [f"{NAMES[i]}{mark[i]} ms" for i in impls]
+    head += [f"{NAMES[i]} TF/s" for i in impls] + ["speedup vs cuDNN"]
+    dense = any("vs_dense" in r for r in rows)
+    if dense:
+        head += [f"{NAMES[i]} / 100 %" for i in impls]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"], r["pass"]]
+        cells += [fmt_cell(r["results"].get(i, {"error": "not run"}), width=60, unit="")
+                  for i in impls]
+        cells += [fmt_tflops(r["results"][i]["tflops"]) if "tflops" in r["results"].get(i, {})
+                  else "—" for i in impls]
+        cells.append(f"{r['speedup_vs_cudnn']:.2f}×" if r.get("speedup_vs_cudnn") else "n/a")
+        if dense:
+            cells += [f"{r['vs_dense'][i]:.3f}" if r["vs_dense"].get(i) is not None else "n/a"
+                      for i in impls]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "suite": suite, "notes": notes}
+    (out / f"gpu_{suite}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
+                                           + "\n")
+    smoke = meta["smoke_test"]
+    title = f"# GPU suite `{suite}`: jax_dmattn vs jax.nn.dot_product_attention (cuDNN, xla)"
+    lines = [title + (" — SMOKE TEST, NOT A PERFORMANCE RESULT" if smoke else ""), ""]
+    if smoke:
+        lines += [f"> **{smoke}** Numbers only show that the script runs.", ""]
+    lines += [f"- command: `{meta['command']}`",
+              f"- device: {meta['device']}; driver {meta['driver']}"
+              + (f"; cuDNN {meta['cudnn']}" if "cudnn" in meta else ""),
+              f"- jax {meta['jax']} ({meta['backend']}); jax_dmattn {meta['jax_dmattn']} "
+              f"(git {meta['git']}, implementation={meta['ours_implementation']!r}); "
+              f"python {meta['python']}",
+              f"- date: {meta['date']}",
+              f"- bf16, random normal inputs; median of {meta['iters']} timed calls after "
+              f"{meta['warmup']} warm-up call(s), each waited on with block_until_ready; fwd = jit "
+              "forward, fwd+bwd = jit of value_and_grad wrt q, k, v (and the bias when there is "
+              "one); speedup vs cuDNN = cuDNN ms / jax_dmattn ms"]
+    lines += [f"- {note}" for note in notes] + [""] + table(rows, suite)
+    (out / f"gpu_{suite}.md").write_text("\n".join(lines) + "\n")
+    say(f"wrote {out / f'gpu_{suite}.md'} and .json")
+
+
+def summary(results: dict[str, list[dict]]) -> None:
+    say("\nsummary (ms; speedup = cuDNN / jax_dmattn)")
+    say(f"{'suite':10s} {'config':34s} {'pass':9s} {'jax_dmattn':>12s} {'cuDNN':>12s} "
+        f"{'xla':>12s} {'speedup':>8s}")
+    for suite, rows in results.items():
+        for r in rows:
+            ms = [r["results"].get(i, {}).get("ms") for i in IMPLS]
+            text = [fmt_ms(m) if m is not None else "n/a" for m in ms]
+            speedup = f"{r['speedup_vs_cudnn']:.2f}×" if r.get("speedup_vs_cudnn") else "n/a"
+            say(f"{suite:10s} {r['label']:34s} {r['pass']:9s} {text[0]:>12s} {text[1]:>12s} "
+                f"{text[2]:>12s} {speedup:>8s}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls (default 20; 3 with --quick on a GPU; 1 on the CPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default benchmarks/results; smoke tests need one "
+                             "outside it, e.g. /tmp/bench_smoke)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without a GPU, run on the CPU (implementation=None, no cuDNN)")
+    args = parser.parse_args()
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.allow_cpu:
+        sys.exit(f"no GPU (jax backend {jax.default_backend()!r}); for a CPU smoke test pass "
+                 "--quick --allow-cpu --out /tmp/bench_smoke")
+    smoke = None
+    if not on_gpu:
+        smoke = "CPU smoke test (no GPU): jax_dmattn ran with implementation=None, cuDNN skipped."
+    elif args.quick:
+        smoke = "GPU smoke test (--quick): tiny shapes, few iterations."
+    out = args.out if args.out is not None else (RESULTS if smoke is None else None)
+    if out is None or (smoke and out.resolve().is_relative_to(RESULTS)):
+        sys.exit("smoke tests (--quick or CPU) must write elsewhere than benchmarks/results: "
+                 "pass --out, e.g. --out /tmp/bench_smoke")
+    try:
+        has_cuda = "cuda" in jax_dmattn.available_implementations()
+    except Exception as error:  # e.g. the extension is not built for this Python
+        has_cuda = False
+        say(f"warning: jax_dmattn's extension does not load ({reason(error)})")
+    if on_gpu and not has_cuda:
+        say("warning: this jax_dmattn build has no CUDA kernels; its cells will read n/a")
+
+    iters = args.iters or (20 if on_gpu and not args.quick else 3 if on_gpu else 1)
+    bench = Bench(on_gpu=on_gpu, quick=args.quick, iters=iters, warmup=1 if args.quick else 3)
+    meta = {"command": "python " + shlex.join(sys.argv), "smoke_test": smoke or False,
+            "quick": args.quick, "iters": iters, "warmup": bench.warmup, "dtype": "bfloat16",
+            "ours_implementation": bench.ours,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            **machine_info(on_gpu)}
+    say(f"device: {meta['device']} (driver {meta['driver']}); jax {meta['jax']}; "
+        f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
+    runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
+               "density": suite_density}
+    results = {}
+    for suite in SUITES if args.suite == "all" else (args.suite,):
+        rows, notes = runners[suite](bench)
+        results[suite] = add_speedups(rows)
+        write(out, suite, rows, notes, meta)
+    summary(results)
+
+
+if __name__ == "__main__":
+    main()

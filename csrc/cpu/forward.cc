@@ -1,0 +1,138 @@
+// Forward: out, lse <- softmax(scale·q·kᵀ + bias, masked) · v, one task per (batch, head,
+// query block), an online softmax over the visible key tiles.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu/attention.h"
+#include "cpu/element_types.h"
+#include "cpu/fast_math.h"
+#include "cpu/gemm.h"
+#include "cpu/scores.h"
+#include "cpu/scratch.h"
+#include "cpu/simd.h"
+#include "cpu/tile_loads.h"
+#include "cpu/tiles.h"
+
+namespace dmattn::cpu {
+namespace {
+
+// A task's fp32 tiles; dp is the padded head dim.
+struct ForwardTiles {
+  explicit ForwardTiles(int64_t dp)
+      : q(AllocateFloats(kBlockM * dp)),
+        kt(AllocateFloats(dp * kBlockN)),
+        v(AllocateFloats(kBlockN * dp)),
+        s(AllocateFloats(kBlockM * kBlockN)),
+        o(AllocateFloats(kBlockM * dp)),
+        row_max(AllocateFloats(kBlockM)),
+        row_sum(AllocateFloats(kBlockM)) {}
+  FloatBuffer q;   // [kBlockM][dp], multiplied by the scale
+  FloatBuffer kt;  // [dp][kBlockN]
+  FloatBuffer v;   // [kBlockN][dp]
+  FloatBuffer s;   // [kBlockM][kBlockN]: scores, then exp(score - running max)
+  FloatBuffer o;   // [kBlockM][dp]: unnormalised output
+  FloatBuffer row_max, row_sum;
+};
+
+// One online-softmax step: folds the tile's scores (turned into exp(s - running max) in place)
+// into the running max and sum of each row, rescaling the output rows accumulated so far.
+void OnlineSoftmaxStep(const Tile& t, int64_t dp, ForwardTiles& tiles) {
+  const int64_t cols = t.padded_cols();
+  for (int64_t r = 0; r < t.padded_rows(); ++r) {
+    float* __restrict p = tiles.s.get() + r * kBlockN;
+    const float old_max = tiles.row_max[r];
+    const float new_max = std::fmax(old_max, RowMax(p, cols));
+    // While a row has seen no visible key its max is -inf; shifting by 0 then keeps every exp()
+    // at exactly 0 instead of computing -inf - -inf = NaN.
+    const float shift = new_max == -INFINITY ? 0.f : new_max;
+    const float alpha = FastExp(old_max - shift);  // 0 when the old max was -inf
+    for (int64_t c = 0; c < cols; ++c) p[c] = FastExp(p[c] - shift);
+    tiles.row_sum[r] = tiles.row_sum[r] * alpha + RowSum(p, cols);
+    tiles.row_max[r] = new_max;
+    if (alpha != 1.f) {
+      float* __restrict o = tiles.o.get() + r * dp;
+      for (int64_t d = 0; d < dp; ++d) o[d] *= alpha;
+    }
+  }
+}
+
+// Runs the online softmax of the query block over every key tile with a visible key.
+template <typename T>
+void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
+                         const HeadItem& item, int64_t qb, ForwardTiles& tiles) {
+  const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
+  const int64_t kv_stride = shape.kv_row_stride();
+  const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;
+  const T* bias =
+      args.bias != nullptr ? static_cast<const T*>(args.bias) + item.bias_offset : nullptr;
+  const T* k = static_cast<const T*>(args.k) + item.kv_offset;
+  const T* v = static_cast<const T*>(args.v) + item.kv_offset;
+
+  const Tile block = MakeTile(item, qb, 0);
+  const Range keys = VisibleKeysOfRows(shape, block.i0, block.rows, item.kv_len);
+  const int64_t kb_end = keys.empty() ? 0 : NumBlocks(keys.end, kBlockN);
+  for (int64_t kb = keys.begin / kBlockN; kb < kb_end; ++kb) {
+    const Tile t = MakeTile(item, qb, kb);
+    if (!TileHasVisibleKey(shape, item, mask, t)) continue;
+    LoadTransposed(k + t.j0 * kv_stride, kv_stride, t.cols, dim, tiles.kt.get(), kBlockN,
+                   t.padded_cols());
+    LoadRows(v + t.j0 * kv_stride, kv_stride, t.cols, dim, 1.f, tiles.v.get(), dp, t.cols);
+    ComputeScores(shape, item, mask, bias, t, tiles.q.get(), dp, tiles.kt.get(), tiles.s.get(),
+                  nullptr);
+    OnlineSoftmaxStep(t, dp, tiles);
+    GemmAccumulate(t.padded_rows(), dp, t.cols, tiles.s.get(), kBlockN, 1, tiles.v.get(), dp,
+                   tiles.o.get(), dp);
+  }
+}
+
+template <typename T>
+void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b, int64_t h,
+                 int64_t qb) {
+  const HeadItem item = MakeHeadItem(shape, args.q_lens, args.kv_lens, b, h);
+  const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
+  const int64_t q_stride = shape.q_row_stride();
+  const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile
+
+  ForwardTiles tiles(dp);
+  std::fill(tiles.row_max.get(), tiles.row_max.get() + kBlockM, -INFINITY);
+  std::fill(tiles.row_sum.get(), tiles.row_sum.get() + kBlockM, 0.f);
+  std::fill(tiles.o.get(), tiles.o.get() + kBlockM * dp, 0.f);
+  if (block.rows > 0) {
+    LoadRows(static_cast<const T*>(args.q) + item.q_offset + block.i0 * q_stride, q_stride,
+             block.rows, dim, shape.scale, tiles.q.get(), dp, block.padded_rows());
+    AttendToVisibleKeys<T>(shape, args, item, qb, tiles);
+  }
+
+  // Every row of the block is written: rows with no visible key (row_sum 0, including rows past
+  // q_len) get out = 0 and lse = -inf.
+  T* out = static_cast<T*>(args.out) + item.q_offset + block.i0 * q_stride;
+  float* lse = args.lse + item.lse_offset + block.i0;
+  const int64_t block_rows = std::min(kBlockM, shape.seqlen_q - block.i0);
+  for (int64_t r = 0; r < block_rows; ++r) {
+    const float sum = tiles.row_sum[r];
+    const float* o = tiles.o.get() + r * dp;
+    for (int64_t d = 0; d < dim; ++d)
+      out[r * q_stride + d] = FromFloat<T>(sum > 0.f ? o[d] / sum : 0.f);
+    lse[r] = sum > 0.f ? tiles.row_max[r] + std::log(sum) : -INFINITY;
+  }
+}
+
+}  // namespace
+
+void Forward(const AttentionShape& shape, const ForwardArgs& args,
+             const ParallelFor& parallel_for) {
+  const int64_t items = shape.batch_count() * shape.num_heads;
+  const int64_t q_blocks = NumBlocks(shape.seqlen_q, kBlockM);
+  DispatchElementType(shape.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    // Last query blocks first: under a causal rule they see the most keys, and starting the
+    // longest tasks first shortens the tail.
+    parallel_for(items * q_blocks, [&](int64_t task) {
+      const int64_t qb = q_blocks - 1 - task / items, item = task % items;
+      ForwardTask<T>(shape, args, item / shape.num_heads, item % shape.num_heads, qb);
+    });
+  });
+}
+
+}  // namespace dmattn::cpu

@@ -1,0 +1,88 @@
+// The score tile, computed identically by the forward and both backward passes, so that the
+// backward recomputes exactly the forward's scores.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/params.h"
+#include "cpu/element_types.h"
+#include "cpu/fast_math.h"
+#include "cpu/gemm.h"
+#include "cpu/tiles.h"
+
+namespace dmattn::cpu {
+
+// s[r][c] <- the tile's bias (0 without one) over t.padded_rows() × t.padded_cols(), so that the
+// product Q·Kᵀ accumulates onto it; 0 outside the visible rows × cols.
+template <typename T>
+void InitScoresFromBias(const AttentionShape& shape, const T* item_bias, const Tile& t,
+                        float* s) {
+  for (int64_t r = 0; r < t.padded_rows(); ++r) {
+    float* __restrict srow = s + r * kBlockN;
+    int64_t c = 0;
+    if (item_bias != nullptr && r < t.rows) {
+      const T* __restrict b = OperandRow(item_bias, shape.bias, t, r);
+      const int64_t stride = shape.bias.col_stride;
+      if (stride == 1) {
+        for (; c < t.cols; ++c) srow[c] = ToFloat(b[c]);
+      } else {
+        for (; c < t.cols; ++c) srow[c] = ToFloat(b[c * stride]);
+      }
+    }
+    for (; c < t.padded_cols(); ++c) srow[c] = 0.f;
+  }
+}
+
+// s <- softcap · tanh(s / softcap); cap_grad (if not null) <- the derivative 1 - tanh².
+inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad) {
+  const float inv_cap = 1.f / softcap;
+  for (int64_t r = 0; r < t.padded_rows(); ++r) {
+    float* __restrict srow = s + r * kBlockN;
+    for (int64_t c = 0; c < t.padded_cols(); ++c) srow[c] = FastTanh(srow[c] * inv_cap);
+    if (cap_grad != nullptr) {
+      float* __restrict grow = cap_grad + r * kBlockN;
+      for (int64_t c = 0; c < t.padded_cols(); ++c) grow[c] = 1.f - srow[c] * srow[c];
+    }
+    for (int64_t c = 0; c < t.padded_cols(); ++c) srow[c] *= softcap;
+  }
+}
+
+// s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
+// q_len / kv_len, or masked out.
+inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
+                                const bool* item_mask, const Tile& t, float* s) {
+  for (int64_t r = 0; r < t.padded_rows(); ++r) {
+    float* __restrict srow = s + r * kBlockN;
+    const Range vis = r < t.rows ? RowVisibleCols(shape, item, t, r) : Range{};
+    for (int64_t c = 0; c < t.padded_cols(); ++c)
+      srow[c] = (c >= vis.begin && c < vis.end) ? srow[c] : -INFINITY;
+    if (item_mask == nullptr || vis.empty()) continue;
+    // Read as bytes: g++ vectorises this select, but not the same loop over bool.
+    const uint8_t* m = reinterpret_cast<const uint8_t*>(OperandRow(item_mask, shape.mask, t, r));
+    const int64_t stride = shape.mask.col_stride;
+    if (stride == 1) {
+      for (int64_t c = vis.begin; c < vis.end; ++c) srow[c] = m[c] != 0 ? srow[c] : -INFINITY;
+    } else {
+      for (int64_t c = vis.begin; c < vis.end; ++c)
+        srow[c] = m[c * stride] != 0 ? srow[c] : -INFINITY;
+    }
+  }
+}
+
+// The tile's scores s[r][c] (row stride kBlockN) over t.padded_rows() × t.padded_cols():
+// bias + q·kᵀ (q already multiplied by the scale, kt key-minor), softcapped, then -inf where the
+// key is not visible to the row. With softcap on and cap_grad not null, cap_grad receives the
+// softcap's derivative. item_mask / item_bias point at this item's (row 0, col 0), or are null.
+template <typename T>
+void ComputeScores(const AttentionShape& shape, const HeadItem& item, const bool* item_mask,
+                   const T* item_bias, const Tile& t, const float* q, int64_t q_ld,
+                   const float* kt, float* s, float* cap_grad) {
+  InitScoresFromBias(shape, item_bias, t, s);
+  GemmAccumulate(t.padded_rows(), t.padded_cols(), shape.head_dim, q, q_ld, 1, kt, kBlockN, s,
+                 kBlockN);
+  if (shape.softcap > 0.f) ApplySoftcap(shape.softcap, t, s, cap_grad);
+  HideInvisibleScores(shape, item, item_mask, t, s);
+}
+
+}  // namespace dmattn::cpu

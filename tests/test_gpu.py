@@ -1,0 +1,147 @@
+"""implementation="cuda" on a GPU (every test is marked ``gpu``: skipped without a GPU backend and
+the CUDA kernels). The conformance cases of test_conformance.py in float16/bfloat16 for every
+CUDA head dim, and jit / vmap / grad / checkpoint on the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    HALF_DTYPES,
+    Case,
+    assert_close,
+    cases_ids,
+    check_case,
+    make_inputs,
+    reference_jit,
+    round_to,
+    run_case,
+    tolerance,
+)
+from test_conformance import BROADCAST_CASES, DPA_CASES, SHAPE_CASES, SPECIAL_CASES
+
+from jax_dmattn import flash_dmattn
+
+pytestmark = pytest.mark.gpu
+
+IMPL = "cuda"
+GPU_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def _on_gpu(case: Case, dtype: str, head_dim: int | None = None) -> Case:
+    """A CPU case in a CUDA dtype; head dims the CUDA build lacks (16) become 32."""
+    d = head_dim if head_dim is not None else max(case.D, 32)
+    return dataclasses.replace(case, dtype=dtype, D=d)
+
+
+# Every head dim and dtype over a spread of lengths (incl. 1, 17, 127/128/129, 1000, 4095).
+HEAD_DIM_CASES = [
+    _on_gpu(SHAPE_CASES[i], dtype, d)
+    for d in GPU_HEAD_DIMS for dtype in HALF_DTYPES for i in (1, 2, 5, 6, 9)
+] + [_on_gpu(c, "bfloat16", 128) for c in SHAPE_CASES[10:]]
+PATTERN_CASES = [_on_gpu(c, dtype) for c in BROADCAST_CASES for dtype in HALF_DTYPES]
+GPU_SPECIAL_CASES = [_on_gpu(c, dtype) for c in SPECIAL_CASES + DPA_CASES for dtype in HALF_DTYPES]
+
+
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=cases_ids(HEAD_DIM_CASES))
+def test_head_dims(case):
+    check_case(case, IMPL)
+
+
+@pytest.mark.parametrize("case", PATTERN_CASES, ids=cases_ids(PATTERN_CASES))
+def test_broadcast_patterns(case):
+    check_case(case, IMPL, expand_reference=True)
+
+
+@pytest.mark.parametrize("case", GPU_SPECIAL_CASES, ids=cases_ids(GPU_SPECIAL_CASES))
+def test_special(case):
+    check_case(case, IMPL)
+
+
+def test_default_implementation_uses_cuda():
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    text = jax.jit(lambda q: flash_dmattn(q, q, q)).lower(q).as_text()
+    assert "dmattn_fwd" in text
+
+
+def test_deterministic_gradients_bitwise():
+    case = Case(B=2, Lq=300, Lk=520, H=8, Hk=1, D=64, dtype="bfloat16",
+                mask=("B", "1", "Lq", "Lk"), bias=("1", "1", "1", "Lk"))
+    inputs = make_inputs(case)
+    first = run_case(case, inputs, IMPL, case.dtype, deterministic=True)
+    second = run_case(case, inputs, IMPL, case.dtype, deterministic=True)
+    for name in first:
+        a, b = np.asarray(first[name]), np.asarray(second[name])
+        assert a.tobytes() == b.tobytes(), name
+
+
+# ---- transformations: the same transformation of the xla implementation is the oracle --------
+
+B, LQ, LK, H, HK, D = 2, 70, 130, 4, 2, 64
+N = 3
+
+
+def _inputs(seed, dtype):
+    rng = np.random.default_rng(seed)
+    x = dict(q=rng.standard_normal((N, B, LQ, H, D)), k=rng.standard_normal((N, B, LK, HK, D)),
+             v=rng.standard_normal((N, B, LK, HK, D)), bias=rng.standard_normal((1, H, 1, LK)),
+             w=rng.standard_normal((N, B, LQ, H, D)))
+    x = {n: round_to(a, dtype) for n, a in x.items()}
+    x["mask"] = (rng.random((N, 1, 1, LQ, LK)) < 0.75) | (np.arange(LK) == 0)
+    return x
+
+
+def _transformed(kind, impl):
+    """A function of (q, k, v, mask, bias, w) -> (out, dq, dk, dv, dbias) under `kind`."""
+
+    def attn(q, k, v, mask, bias):
+        return flash_dmattn(q, k, v, mask, bias, implementation=impl)
+
+    if kind == "checkpoint":
+        attn = jax.checkpoint(attn)
+    if kind in ("vmap", "checkpoint"):
+        f = jax.vmap(attn, in_axes=(0, 0, 0, 0, None))
+    else:  # "vmap_of_grad" handles its own batching below
+        f = attn
+
+    def loss(q, k, v, bias, mask, w):
+        out = f(q, k, v, mask, bias)
+        return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
+
+    if kind == "vmap_of_grad":
+        per = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+        def run(q, k, v, bias, mask, w):
+            grads, out = jax.vmap(per, in_axes=(0, 0, 0, None, 0, 0))(q, k, v, bias, mask, w)
+            return (out, *grads)
+    else:
+        def run(q, k, v, bias, mask, w):
+            (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(
+                q, k, v, bias, mask, w)
+            return (out, *grads)
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("kind", ["vmap", "vmap_of_grad", "checkpoint"])
+def test_transformations(kind, dtype):
+    """jit of vmap + grad, vmap of grad, and checkpoint, against the same transformation of the
+    xla implementation in float64 (tolerance) and in `dtype` (at most 2x its error)."""
+    x = _inputs(zlib.crc32(kind.encode()), dtype)
+    names = ("q", "k", "v", "bias", "mask", "w")
+
+    def args(dt):
+        return [jnp.asarray(x[n]) if n == "mask" else jnp.asarray(x[n], dt) for n in names]
+
+    got = jax.jit(_transformed(kind, IMPL))(*args(dtype))
+    base = jax.jit(_transformed(kind, "xla"))(*args(dtype))
+    ref = reference_jit(_transformed(kind, "xla"))(*args(jnp.float64))
+    for name, g, b, r in zip(("out", "dq", "dk", "dv", "dbias"), got, base, ref, strict=True):
+        assert g.shape == r.shape, name
+        assert_close(name, g, r, tolerance(dtype, name), baseline=b)
