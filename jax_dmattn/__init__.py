@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jax_dmattn import reference
+from jax_dmattn import masks, reference
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
 from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams
 
@@ -32,5 +32,6 @@ __all__ = [
     "available_implementations",
     "dot_product_attention",
     "flash_dmattn",
+    "masks",
     "reference",
 ]
