@@ -20,7 +20,7 @@ echo "build (sm_90, head dims $DIMS, bf16+fp16, $CMAKE_BUILD_PARALLEL_LEVEL jobs
 
 # Run from outside the repository so that the installed package, not the source tree, is imported.
 cd /tmp && export PYTHONPATH=/tmp/site
-timeout -k 10 "${TEST_S:-300}" python3 -P -m pytest -m gpu -q -p no:cacheprovider "$repo/tests" \
+timeout -k 10 "${TEST_S:-300}" python3 -P -m pytest -m gpu -v -p no:cacheprovider "$repo/tests" \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests (rc=$?): $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.txt"
 

@@ -6,7 +6,10 @@
 //                    reads this kv slot (the GQA group and the batches dk/dv broadcast over) and
 //                    every visible query block of each, so dK/dV accumulate in registers with no
 //                    cross-CTA reduction. Per query block (all-false mask tiles skipped):
-//                      phase A  S^T = K Q^T + bias^T/scale, dP^T = V dO^T, P, dS -> smem
+//                      load     Q, dO, lse, D, bias of the next block (two stages: during this
+//                               one; one stage: during phase C)
+//                      phase A  S^T = K Q^T + bias^T/scale -> mask -> P = exp(S - lse) -> smem,
+//                               dP^T = V dO^T -> dS = P (dP - D) -> smem (and dbias)
 //                      phase B  dV += P^T dO, dK += dS^T Q
 //                      phase C  dQ += dS K   (fp32 atomics into the accumulator)
 //   bwd_dq_convert:  dq = scale * accumulator in the output dtype
@@ -24,48 +27,78 @@
 
 namespace dmattn::cuda {
 
-template <int D_, int BN_, int BM_, int NW_>
+// Shared-memory opt-in limit of sm_80 (A100): 163 KB per block. Tiles above it are sm_90-only.
+constexpr int kSmemLimitSm80 = 163 * 1024;
+
+// Backward tile: key block BN, query block BM, NW warps, and the warp grid of each phase:
+//   phase A  (S^T, dP^T: keys x queries)  WKA warps along keys   x NW / WKA along queries
+//   phase B  (dV, dK:    keys x D)        WKB warps along keys   x NW / WKB along D
+//   phase C  (dQ:        queries x D)     WMC warps along queries x NW / WMC along D
+// kStages: Q / dO / lse / D / bias buffers (2: the next query block loads during the current
+// one; 1: it loads during phase C). With one stage, the bias tile shares memory with P when the
+// tile would otherwise not fit sm_80's 163 KB.
+template <int D_, int BN_, int BM_, int NW_, int WKA_, int WKB_, int WMC_, int kStages_>
 struct BwdTraits {
   static constexpr int D = D_, BN = BN_, BM = BM_, NW = NW_;
   static constexpr int kNT = NW * 32;
-  // (Capping 8-warp CTAs at 128 registers for 2 CTAs/SM spills heavily; 1 is the bound.)
+  // (8-warp CTAs need more than 128 registers per thread: one CTA per SM.)
   static constexpr int kMinBlocks = 1;
-  static constexpr int WK = BN / 16;  // key groups of 16
-  static_assert(NW % WK == 0, "warps must tile the key block");
-  static constexpr int WX = NW / WK;       // split of queries (phase A) and of D (phase B)
-  static constexpr int QA = BM / WX;       // queries per warp in phase A
-  static constexpr int NA = QA / 8;        // 8-col tiles in phase A
-  static_assert(NA % 2 == 0, "phase A tiles come in pairs");
-  static constexpr int DB = D / WX;        // head-dim columns per warp in phase B
-  static_assert(DB % 16 == 0, "phase B columns");
-  static constexpr int WMC = BM / 16;      // query groups in phase C
-  static_assert(NW % WMC == 0, "warps must tile phase C");
-  static constexpr int DC = D / (NW / WMC);  // head-dim columns per warp in phase C
-  static constexpr int CH = DC <= 64 ? DC : (DC % 64 == 0 ? 64 : DC / 2);
-  static_assert(DC % CH == 0 && CH % 16 == 0, "phase C chunks");
+  static constexpr int kStages = kStages_;
+  static_assert(kStages == 1 || kStages == 2, "one or two Q/dO stages");
 
-  static constexpr int kBiasPitch = BN + 8;
-  static constexpr int kMaskPitch = BN + 16;
+  static constexpr int WKA = WKA_, WKB = WKB_, WMC = WMC_;
+  static_assert(NW % WKA == 0 && NW % WKB == 0 && NW % WMC == 0, "warp grids tile the CTA");
+  // phase A: warp tile KA keys x QA queries = MA x NA mma tiles of 16 x 8
+  static constexpr int KA = BN / WKA, MA = KA / 16;
+  static constexpr int QA = BM / (NW / WKA), NA = QA / 8;
+  static_assert(KA % 16 == 0 && QA % 16 == 0, "phase A warp tile");
+  // S^T and dP^T in one k-loop (enough independent MMAs per warp with a single key tile) or one
+  // after the other (two key tiles: fewer live registers, still 8 accumulator chains each).
+  static constexpr bool kFusedA = MA == 1;
+  // phase B: warp tile KB keys x DB head-dim columns
+  static constexpr int KB = BN / WKB, MB = KB / 16;
+  static constexpr int DB = D / (NW / WKB);
+  static_assert(KB % 16 == 0 && DB % 16 == 0 && DB * (NW / WKB) == D, "phase B warp tile");
+  // phase C: warp tile QC queries x DC head-dim columns, accumulated CH columns at a time
+  static constexpr int QC = BM / WMC, MC = QC / 16;
+  static constexpr int DC = D / (NW / WMC);
+  static constexpr int CH = DC <= 64 ? DC : (DC % 64 == 0 ? 64 : DC / 2);
+  static_assert(QC % 16 == 0 && DC * (NW / WMC) == D && DC % CH == 0 && CH % 16 == 0,
+                "phase C warp tile");
+
+  static constexpr int kBiasPitch = BN + 8;   // elements
+  static constexpr int kMaskPitch = BN + 16;  // bytes
+  static constexpr int kQBytes = BM * D * 2;
   static constexpr int kBiasBytes = BM * kBiasPitch * 2;
   static constexpr int kPBytes = BN * BM * 2;
-  // For the largest head dims the bias tile shares memory with P (sm80 shared-memory limit).
-  static constexpr bool kAliasBiasP = D > 192;
+  static constexpr int kMaskTile = BM * kMaskPitch;
+  static constexpr int kFixedBytes = 2 * BN * D * 2 + 2 * kStages * kQBytes + 2 * kPBytes +
+                                     2 * kMaskTile + 2 * kStages * BM * 4 + BN * 4;
+  static constexpr bool kAliasBiasP =
+      kStages == 1 && kFixedBytes + kStages * kBiasBytes > kSmemLimitSm80;
 
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + BN * D * 2;
-  static constexpr int kOffQ = kOffV + BN * D * 2;
-  static constexpr int kOffdO = kOffQ + BM * D * 2;
-  static constexpr int kOffdS = kOffdO + BM * D * 2;
+  static constexpr int kOffQ = kOffV + BN * D * 2;          // kStages tiles
+  static constexpr int kOffdO = kOffQ + kStages * kQBytes;  // kStages tiles
+  static constexpr int kOffdS = kOffdO + kStages * kQBytes;
   static constexpr int kOffP = kOffdS + kPBytes;
-  static constexpr int kOffBias = kAliasBiasP ? kOffP : kOffP + kPBytes;
-  static constexpr int kPBiasBytes = kAliasBiasP ? (kBiasBytes > kPBytes ? kBiasBytes : kPBytes)
-                                                 : kPBytes + kBiasBytes;
-  static constexpr int kOffMask = kOffP + kPBiasBytes;
-  static constexpr int kMaskTile = BM * kMaskPitch;
-  static constexpr int kOffLse = kOffMask + 2 * kMaskTile;
-  static constexpr int kOffDsum = kOffLse + BM * 4;
-  static constexpr int kOffDB = kOffDsum + BM * 4;
-  static constexpr int kSmem = kOffDB + BN * 4;
+  static constexpr int kOffBias = kAliasBiasP ? kOffP : kOffP + kPBytes;  // kStages tiles
+  static constexpr int kPBiasBytes =
+      kAliasBiasP ? (kBiasBytes > kPBytes ? kBiasBytes : kPBytes) : kPBytes + kStages * kBiasBytes;
+  static constexpr int kOffMask = kOffP + kPBiasBytes;  // 2 tiles
+  static constexpr int kOffLse = kOffMask + 2 * kMaskTile;  // kStages x BM floats
+  static constexpr int kOffDsum = kOffLse + kStages * BM * 4;
+  static constexpr int kOffDB = kOffDsum + kStages * BM * 4;
+  static constexpr int kOffPair = kOffDB + BN * 4;  // detail::BwdPair
+  static constexpr int kSmem = kOffPair + 64;
+  static_assert(kBiasBytes % 16 == 0 && kMaskTile % 16 == 0, "16-byte aligned tiles");
+  static_assert((BN * D * 2) % 128 == 0 && kQBytes % 128 == 0 && kPBytes % 128 == 0,
+                "swizzled tiles start on 128-byte boundaries (FragAddr)");
+  // FragAddr folding: the phase B / C column offsets are multiples of a power of two above the
+  // columns each warp walks.
+  static constexpr bool kFoldB = (DB & (DB - 1)) == 0;
+  static constexpr bool kFoldC = (DC & (DC - 1)) == 0 && (QC & (QC - 1)) == 0;
 };
 
 namespace detail {
@@ -89,16 +122,28 @@ __device__ __forceinline__ int64_t batch_of(const BwdParams& p, int64_t c, int64
   return b;
 }
 
-}  // namespace detail
+// Pointers of the current (batch, query head) pair: kept in shared memory, not in registers
+// (the main loop is register-bound).
+struct BwdPair {
+  const void* q;
+  const void* dout;
+  const float* lse;
+  const float* dsum;
+  const uint8_t* mask;
+  const void* bias;
+  float* dq;
+  int64_t dbias_entry;
+};
+static_assert(sizeof(BwdPair) == 64, "BwdPair fills its 64-byte slot");
 
 template <typename Tr, typename T>
-__global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __grid_constant__ BwdParams p) {
-  using namespace detail;
+__device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
-  constexpr int WK = Tr::WK, NA = Tr::NA, DB = Tr::DB, DC = Tr::DC, CH = Tr::CH;
+  constexpr int MA = Tr::MA, NA = Tr::NA, MB = Tr::MB, DB = Tr::DB;
+  constexpr int MC = Tr::MC, DC = Tr::DC, CH = Tr::CH;
+  constexpr int kStages = Tr::kStages;
   using TileKV = SwizzledTile<BN, D>;
-  using TileQ = SwizzledTile<BM, D>;
   using TileP = SwizzledTile<BN, BM>;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -126,7 +171,6 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
   const int hk = static_cast<int>((bid / p.n_blocks) % Hk);
   const int64_t cls = bid / p.n_blocks / Hk;
   const int n0 = n_block * BN;
-  const int Lq = static_cast<int>(s.seqlen_q);
   const int Lk = static_cast<int>(s.seqlen_k);
   const Band band = make_band(s);
 
@@ -146,26 +190,26 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
   const bool db_rowsum = dbias_mode != kDbiasNone && dop.row_stride == 0;
   const bool db_colsum = dbias_mode != kDbiasNone && dop.row_stride != 0 && dop.col_stride == 0;
 
-  // Warp roles.
-  const int kgA = warp % WK;         // phase A / B key group
-  const int xg = warp / WK;          // phase A query group / phase B head-dim group
-  const int kr0 = kgA * 16;          // first key row (local) of this warp in phases A and B
-  const int qc0 = Tr::WX == 1 ? 0 : xg * Tr::QA;  // first query (local) of this warp, phase A
-  const int dc0 = Tr::WX == 1 ? 0 : xg * DB;       // first head-dim column in phase B
-  const int mc = warp % Tr::WMC;                    // phase C query group
-  const int dcc0 = (Tr::kNT / 32 == Tr::WMC) ? 0 : (warp / Tr::WMC) * DC;
+  // Warp tiles of the three phases (local key / query / head-dim offsets).
+  const int ka0 = (warp % Tr::WKA) * Tr::KA;  // phase A keys
+  const int qa0 = (warp / Tr::WKA) * Tr::QA;  // phase A queries
+  const int kb0 = (warp % Tr::WKB) * Tr::KB;  // phase B keys
+  const int db0 = (warp / Tr::WKB) * DB;      // phase B head-dim columns
+  const int qc0 = (warp % Tr::WMC) * Tr::QC;  // phase C queries
+  const int dc0 = (warp / Tr::WMC) * DC;      // phase C head-dim columns
 
   // ldmatrix addressing (see FragAddr): A operands (rows = M dim) use row lane part
   // (lane & 7) + ((lane >> 3) & 1) * 8 and column lane part (lane >> 4) * 8; non-transposed B
   // operands (rows = N dim) use (lane & 7) + (lane >> 4) * 8 and ((lane >> 3) & 1) * 8.
+  // Q / dO addresses are those of stage 0; `so` adds the stage's byte offset.
   const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
   const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-  const FragAddr<BN, D> fkA(sK, kr0 + a_row, a_col), fvA(sV, kr0 + a_row, a_col);
-  const FragAddr<BM, D> fqA(sQ, qc0 + b_row, b_col), foA(sdO, qc0 + b_row, b_col);
-  const FragAddr<BN, BM> fpB(sP, kr0 + a_row, a_col), fdsB(sdS, kr0 + a_row, a_col);
-  const FragAddr<BM, D> foB(sdO, a_row, a_col, dc0), fqB(sQ, a_row, a_col, dc0);
-  const FragAddr<BN, BM> fdsC(sdS, b_row, b_col, mc * 16);
-  const FragAddr<BN, D> fkC(sK, a_row, a_col, dcc0);
+  const FragAddr<BN, D> fkA(sK, ka0 + a_row, a_col), fvA(sV, ka0 + a_row, a_col);
+  const FragAddr<BM, D> fqA(sQ, qa0 + b_row, b_col), foA(sdO, qa0 + b_row, b_col);
+  const FragAddr<BN, BM> fpB(sP, kb0 + a_row, a_col), fdsB(sdS, kb0 + a_row, a_col);
+  const FragAddr<BM, D, Tr::kFoldB> foB(sdO, a_row, a_col, db0), fqB(sQ, a_row, a_col, db0);
+  const FragAddr<BN, BM, Tr::kFoldC> fdsC(sdS, b_row, b_col, qc0);
+  const FragAddr<BN, D, Tr::kFoldC> fkC(sK, a_row, a_col, dc0);
 
   // K, V of this block (rows beyond the longest kv length are zero-filled; the per-pair lengths
   // are applied by visibility).
@@ -174,24 +218,44 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
   cp_async_commit();
   if (tid < BN) sDB[tid] = 0.f;
 
-  float dk[DB / 8][4], dv[DB / 8][4];
+  float dk[MB][DB / 8][4], dv[MB][DB / 8][4];
 #pragma unroll
-  for (int t = 0; t < DB / 8; ++t)
+  for (int mt = 0; mt < MB; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      dk[t][e] = 0.f;
-      dv[t][e] = 0.f;
-    }
-  float db_acc[2] = {0.f, 0.f};  // per-key dbias sums (keys kr0 + g, kr0 + g + 8) of this thread
+    for (int t = 0; t < DB / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dk[mt][t][e] = 0.f;
+        dv[mt][t][e] = 0.f;
+      }
+  // per-key dbias sums (keys ka0 + 16 mt + g, + 8) of this thread
+  float db_acc[MA][2];
+#pragma unroll
+  for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
 
+  int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
   const int64_t pairs = p.kv_members * G;
   for (int64_t pi = 0; pi < pairs; ++pi) {
     const int64_t b = batch_of(p, cls, pi / G);
     const int h = hk * G + static_cast<int>(pi % G);
     const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
-    const int64_t dbias_entry = dbias_mode != kDbiasNone ? dop.offset(s.batch, b, h) : 0;
-
+    __syncthreads();  // the previous pair's pointers are no longer read
+    if (tid == 0) {
+      BwdPair& w = *reinterpret_cast<BwdPair*>(smem + Tr::kOffPair);
+      w.q = static_cast<const T*>(p.q) + s.q_offset(b, h);
+      w.dout = static_cast<const T*>(p.dout) + s.q_offset(b, h);
+      w.lse = p.lse + s.lse_offset(b, h);
+      w.dsum = p.softmax_d + s.lse_offset(b, h);
+      w.mask = has_mask ? p.mask + s.mask.offset(s.batch, b, h) + n0 * s.mask.col_stride : nullptr;
+      w.bias = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
+                              n0 * s.bias.col_stride
+                        : nullptr;
+      w.dq = p.compute_dq ? p.dq_accum + s.q_offset(b, h) : nullptr;
+      w.dbias_entry = dbias_mode != kDbiasNone ? dop.offset(s.batch, b, h) : 0;
+    }
+    __syncthreads();
+    const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
     // Query blocks that see any key of this block.
     int m_first = 0, m_last = -1;
     if (n0 < L.kv_len && L.q_len > 0) {
@@ -206,137 +270,224 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
       }
     }
 
-    const T* qg = static_cast<const T*>(p.q) + s.q_offset(b, h);
-    const T* dog = static_cast<const T*>(p.dout) + s.q_offset(b, h);
-    const float* lseg = p.lse + s.lse_offset(b, h);
-    const float* dsg = p.softmax_d + s.lse_offset(b, h);
-    const uint8_t* mg =
-        has_mask ? p.mask + s.mask.offset(s.batch, b, h) + n0 * s.mask.col_stride : nullptr;
-    const T* bg = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
-                                 n0 * s.bias.col_stride
-                           : nullptr;
-
     auto load_mask = [&](int m, int buf) {
       load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
-          sMask + buf * Tr::kMaskTile, mg + static_cast<int64_t>(m) * BM * s.mask.row_stride,
+          sMask + buf * Tr::kMaskTile, pp.mask + static_cast<int64_t>(m) * BM * s.mask.row_stride,
           s.mask.row_stride, s.mask.col_stride, L.q_len - m * BM, L.kv_len - n0, p.mask_vec,
           mask_one_row, tid);
     };
-    auto load_step = [&](int m) {
+    // Q, dO, lse, D and bias of query block m into stage st (one commit group).
+    auto load_step = [&](int m, int st) {
       const int m0 = m * BM;
-      load_tile_async<BM, D, NT>(sQ, qg + m0 * q_rs, q_rs, L.q_len - m0, tid);
-      load_tile_async<BM, D, NT>(sdO, dog + m0 * q_rs, q_rs, L.q_len - m0, tid);
+      const T* qg = static_cast<const T*>(pp.q);
+      const T* dog = static_cast<const T*>(pp.dout);
+      const float* lseg = pp.lse;
+      const float* dsg = pp.dsum;
+      const T* bg = static_cast<const T*>(pp.bias);
+      load_tile_async<BM, D, NT>(sQ + st * (Tr::kQBytes / 2), qg + m0 * q_rs, q_rs,
+                                 L.q_len - m0, tid);
+      load_tile_async<BM, D, NT>(sdO + st * (Tr::kQBytes / 2), dog + m0 * q_rs, q_rs,
+                                 L.q_len - m0, tid);
       for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < L.q_len;
-        cp_async4(smem_u32(sLse + r), ok ? lseg + m0 + r : lseg, ok ? 4 : 0);
-        cp_async4(smem_u32(sDsum + r), ok ? dsg + m0 + r : dsg, ok ? 4 : 0);
+        cp_async4(smem_u32(sLse + st * BM + r), ok ? lseg + m0 + r : lseg, ok ? 4 : 0);
+        cp_async4(smem_u32(sDsum + st * BM + r), ok ? dsg + m0 + r : dsg, ok ? 4 : 0);
       }
       if (has_bias) {
         load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
-            sBias, bg + static_cast<int64_t>(m0) * s.bias.row_stride, s.bias.row_stride,
-            s.bias.col_stride, L.q_len - m0, L.kv_len - n0, p.bias_vec, bias_one_row, tid);
+            sBias + st * (Tr::kBiasBytes / 2), bg + static_cast<int64_t>(m0) * s.bias.row_stride,
+            s.bias.row_stride, s.bias.col_stride, L.q_len - m0, L.kv_len - n0, p.bias_vec,
+            bias_one_row, tid);
       }
       cp_async_commit();
+    };
+    // CTA-wide kTileAny / kTileAll flags of mask buffer `buf` (waits for its copies).
+    auto mask_flags = [&](int buf) {
+      cp_async_wait<0>();
+      if (!p.mask_vec) __syncthreads();  // vector path: each thread reads its own copies only
+      return tile_flags<BN, Tr::kMaskPitch, NT>(sMask + buf * Tr::kMaskTile, mask_rows, tid);
     };
 
     // First active query block.
     int m = m_first;
-    int cur = 0;
+    int cur = 0;           // mask buffer of block m
+    bool cur_all = false;  // ... and that tile is all true (no per-element test)
     if (has_mask) {
       while (m <= m_last) {
         load_mask(m, cur);
         cp_async_commit();
-        cp_async_wait<0>();
-        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-        if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
+        const int fl = mask_flags(cur);
+        cur_all = (fl & kTileAll) != 0;
+        if (fl & kTileAny) break;
         ++m;
       }
     }
-    if (m <= m_last) load_step(m);
+    if (m <= m_last) load_step(m, stage);
 
     while (m <= m_last) {
       const int m0 = m * BM;
-      const bool cand = has_mask && (m + 1 <= m_last);
-      if (cand) {
-        load_mask(m + 1, cur ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();  // Q, dO, lse, D, bias of block m (and K, V) visible
+      cp_async_wait<0>();
+      __syncthreads();  // block m's tiles (and K, V) visible; the other stage, P, dS free
 
-      // ---------------- phase A: S^T, dP^T, P, dS --------------------------------------------
-      float st[NA][4], dp[NA][4];
-#pragma unroll
-      for (int t = 0; t < NA; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float bv = 0.f;
-          if (has_bias) {
-            const int j = kr0 + g + (e >> 1) * 8;
-            const int i = qc0 + t * 8 + 2 * tq + (e & 1);
-            const int rr = bias_one_row ? 0 : i;
-            bv = E::to_float(sBias[rr * Tr::kBiasPitch + j]) * p.bias_mul;
-          }
-          st[t][e] = bv;
-          dp[t][e] = 0.f;
+      // ---------------- prefetch: next block's tiles (two stages, no mask) or next mask --------
+      const bool more = m + 1 <= m_last;
+      if (more) {
+        if (has_mask) {
+          load_mask(m + 1, cur ^ 1);
+          cp_async_commit();
+        } else if constexpr (kStages == 2) {
+          load_step(m + 1, stage ^ 1);
         }
       }
+      const uint32_t so = static_cast<uint32_t>(stage * Tr::kQBytes);  // stage byte offset
+      const T* sB = sBias + stage * (Tr::kBiasBytes / 2);
+      const float* sL = sLse + stage * BM;
+      const float* sD = sDsum + stage * BM;
+
+      // ---------------- GEMM: S^T = K Q^T + bias^T / scale (fused: and dP^T = V dO^T) --------
+      float st[MA][NA][4], dp[MA][NA][4];
+#pragma unroll
+      for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+        for (int t = 0; t < NA; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float bv = 0.f;
+            if (has_bias) {
+              const int j = ka0 + mt * 16 + g + (e >> 1) * 8;
+              const int i = qa0 + t * 8 + 2 * tq + (e & 1);
+              bv = E::to_float(sB[(bias_one_row ? 0 : i) * Tr::kBiasPitch + j]) * p.bias_mul;
+            }
+            st[mt][t][e] = bv;
+            if constexpr (Tr::kFusedA) dp[mt][t][e] = 0.f;
+          }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        uint32_t ak[4], av[4];
-        ldsm_x4(ak, fkA(0, ks * 16));
-        ldsm_x4(av, fvA(0, ks * 16));
+        uint32_t ak[MA][4], av[MA][4];
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt) {
+          ldsm_x4(ak[mt], fkA(mt * 16, ks * 16));
+          if constexpr (Tr::kFusedA) ldsm_x4(av[mt], fvA(mt * 16, ks * 16));
+        }
 #pragma unroll
         for (int np = 0; np < NA / 2; ++np) {
           uint32_t bq[4], bo[4];
-          ldsm_x4(bq, fqA(np * 16, ks * 16));
-          ldsm_x4(bo, foA(np * 16, ks * 16));
-          E::mma(st[2 * np], ak, bq[0], bq[1]);
-          E::mma(st[2 * np + 1], ak, bq[2], bq[3]);
-          E::mma(dp[2 * np], av, bo[0], bo[1]);
-          E::mma(dp[2 * np + 1], av, bo[2], bo[3]);
+          ldsm_x4(bq, fqA(np * 16, ks * 16) + so);
+          if constexpr (Tr::kFusedA) ldsm_x4(bo, foA(np * 16, ks * 16) + so);
+#pragma unroll
+          for (int mt = 0; mt < MA; ++mt) {
+            E::mma(st[mt][2 * np], ak[mt], bq[0], bq[1]);
+            E::mma(st[mt][2 * np + 1], ak[mt], bq[2], bq[3]);
+            if constexpr (Tr::kFusedA) {
+              E::mma(dp[mt][2 * np], av[mt], bo[0], bo[1]);
+              E::mma(dp[mt][2 * np + 1], av[mt], bo[2], bo[3]);
+            }
+          }
         }
       }
 
+      // ---------------- softcap, visibility, P = exp(S - lse) -> smem ------------------------
+      // With a softcap, the dS factor 1 - tanh^2 parks in the dS tile until dS replaces it.
+      // Each thread reads back only what it wrote itself, so no barrier is needed for that.
       const bool need_bounds =
           (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
           (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
           (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
       const uint8_t* sm = sMask + cur * Tr::kMaskTile;
+      const bool mask_apply = has_mask && !cur_all;
       const bool capped = p.softcap > 0.f;
+      if constexpr (Tr::kAliasBiasP) __syncthreads();  // bias tile (aliased by P) fully read
 #pragma unroll
       for (int t = 0; t < NA; ++t) {
-        const int il0 = qc0 + t * 8 + 2 * tq;  // local query of elements e = 0, 2 (+1: e = 1, 3)
-        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + il0);
-        const float2 ds2 = *reinterpret_cast<const float2*>(sDsum + il0);
+        const int il0 = qa0 + t * 8 + 2 * tq;  // local query of elements e = 0, 2 (+1: e = 1, 3)
+        const float2 lse2 = *reinterpret_cast<const float2*>(sL + il0);
+        // lse = -inf (no visible key) gives P = 0 without an inf - inf.
+        const float l2x = lse2.x == -INFINITY ? INFINITY : lse2.x * kLog2e;
+        const float l2y = lse2.y == -INFINITY ? INFINITY : lse2.y * kLog2e;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int jl = kr0 + g + (e >> 1) * 8;
-          const int il = il0 + (e & 1);
-          const float lse = (e & 1) ? lse2.y : lse2.x;
-          const float dsum = (e & 1) ? ds2.y : ds2.x;
-          bool vis = true;
-          if (has_mask) vis = sm[(mask_one_row ? 0 : il) * Tr::kMaskPitch + jl] != 0;
-          if (need_bounds) {
-            const int i = m0 + il, j = n0 + jl;
-            const int dd = j - i;
-            vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+        for (int mt = 0; mt < MA; ++mt) {
+          float fac[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int jl = ka0 + mt * 16 + g + (e >> 1) * 8;
+            const int il = il0 + (e & 1);
+            bool vis = true;
+            if (mask_apply) vis = sm[(mask_one_row ? 0 : il) * Tr::kMaskPitch + jl] != 0;
+            if (need_bounds) {
+              const int i = m0 + il, j = n0 + jl;
+              const int dd = j - i;
+              vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+            }
+            float x = st[mt][t][e];
+            fac[e] = 1.f;
+            if (capped) {
+              const float tc = accurate_tanh(x * p.softcap_in);
+              x = p.softcap * tc;
+              fac[e] = 1.f - tc * tc;
+            }
+            st[mt][t][e] = vis ? fast_exp2(x * p.softmax_mul - ((e & 1) ? l2y : l2x)) : 0.f;
           }
-          float x = st[t][e];
-          float tc = 0.f;
+          const int r = ka0 + mt * 16 + g;
+          *reinterpret_cast<uint32_t*>(sP + TileP::off(r, il0)) =
+              E::pack(st[mt][t][0], st[mt][t][1]);
+          *reinterpret_cast<uint32_t*>(sP + TileP::off(r + 8, il0)) =
+              E::pack(st[mt][t][2], st[mt][t][3]);
           if (capped) {
-            tc = accurate_tanh(x * p.softcap_in);
-            x = p.softcap * tc;
+            *reinterpret_cast<uint32_t*>(sdS + TileP::off(r, il0)) = E::pack(fac[0], fac[1]);
+            *reinterpret_cast<uint32_t*>(sdS + TileP::off(r + 8, il0)) = E::pack(fac[2], fac[3]);
           }
-          // lse = -inf (no visible key) gives P = 0 without an inf - inf.
-          const float lse_l2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
-          const float pv = vis ? fast_exp2(x * p.softmax_mul - lse_l2) : 0.f;
-          float ds = pv * (dp[t][e] - dsum);
-          if (capped) ds *= (1.f - tc * tc);
-          st[t][e] = pv;
-          dp[t][e] = ds;
+        }
+      }
+
+      // ---------------- GEMM: dP^T = V dO^T (unless fused above) ------------------------------
+      if constexpr (!Tr::kFusedA) {
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+          for (int t = 0; t < NA; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[mt][t][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          uint32_t av[MA][4];
+#pragma unroll
+          for (int mt = 0; mt < MA; ++mt) ldsm_x4(av[mt], fvA(mt * 16, ks * 16));
+#pragma unroll
+          for (int np = 0; np < NA / 2; ++np) {
+            uint32_t bo[4];
+            ldsm_x4(bo, foA(np * 16, ks * 16) + so);
+#pragma unroll
+            for (int mt = 0; mt < MA; ++mt) {
+              E::mma(dp[mt][2 * np], av[mt], bo[0], bo[1]);
+              E::mma(dp[mt][2 * np + 1], av[mt], bo[2], bo[3]);
+            }
+          }
+        }
+      }
+
+      // ---------------- dS = P (dP - D) (P as stored) -> smem, dbias --------------------------
+#pragma unroll
+      for (int t = 0; t < NA; ++t) {
+        const int il0 = qa0 + t * 8 + 2 * tq;
+        const float2 ds2 = *reinterpret_cast<const float2*>(sD + il0);
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt) {
+          const int r = ka0 + mt * 16 + g;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int o = TileP::off(r + 8 * half, il0);
+            const float2 pv = E::unpack(*reinterpret_cast<const uint32_t*>(sP + o));
+            float d0 = pv.x * (dp[mt][t][2 * half] - ds2.x);
+            float d1 = pv.y * (dp[mt][t][2 * half + 1] - ds2.y);
+            if (capped) {
+              const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(sdS + o));
+              d0 *= f.x;
+              d1 *= f.y;
+            }
+            dp[mt][t][2 * half] = d0;
+            dp[mt][t][2 * half + 1] = d1;
+            *reinterpret_cast<uint32_t*>(sdS + o) = E::pack(d0, d1);
+          }
         }
       }
 
@@ -344,24 +495,28 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
       if (dbias_mode != kDbiasNone) {
         if (db_rowsum) {
 #pragma unroll
-          for (int t = 0; t < NA; ++t) {
-            db_acc[0] += dp[t][0] + dp[t][1];
-            db_acc[1] += dp[t][2] + dp[t][3];
-          }
+          for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+            for (int t = 0; t < NA; ++t) {
+              db_acc[mt][0] += dp[mt][t][0] + dp[mt][t][1];
+              db_acc[mt][1] += dp[mt][t][2] + dp[mt][t][3];
+            }
           db_dirty = true;
         } else if (db_colsum) {
-          // per-query sums over this warp's 16 keys, then fp32 atomics
+          // per-query sums over this warp's keys, then fp32 atomics
 #pragma unroll
           for (int t = 0; t < NA; ++t) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              float v = dp[t][e] + dp[t][e + 2];
+              float v = 0.f;
+#pragma unroll
+              for (int mt = 0; mt < MA; ++mt) v += dp[mt][t][e] + dp[mt][t][e + 2];
               v += __shfl_xor_sync(0xffffffffu, v, 4);
               v += __shfl_xor_sync(0xffffffffu, v, 8);
               v += __shfl_xor_sync(0xffffffffu, v, 16);
-              const int i = m0 + qc0 + t * 8 + 2 * tq + e;
+              const int i = m0 + qa0 + t * 8 + 2 * tq + e;
               if (g == 0 && i < L.q_len && v != 0.f) {
-                atomicAdd(p.dbias_accum + dbias_entry + static_cast<int64_t>(i) * dop.row_stride,
+                atomicAdd(p.dbias_accum + pp.dbias_entry + static_cast<int64_t>(i) * dop.row_stride,
                           v);
               }
             }
@@ -369,137 +524,148 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
         } else {
           T* dbg = static_cast<T*>(p.dbias);
 #pragma unroll
-          for (int t = 0; t < NA; ++t) {
+          for (int mt = 0; mt < MA; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = m0 + qc0 + t * 8 + 2 * tq + (e & 1);
-              const int j = n0 + kr0 + g + (e >> 1) * 8;
-              if (i < L.q_len && j < L.kv_len) {
-                const int64_t off = dbias_entry + static_cast<int64_t>(i) * dop.row_stride +
-                                    static_cast<int64_t>(j) * dop.col_stride;
-                if (dbias_mode == kDbiasDirect) {
-                  dbg[off] = E::from_float(dp[t][e]);
-                } else if (dp[t][e] != 0.f) {
-                  atomicAdd(p.dbias_accum + off, dp[t][e]);
+            for (int t = 0; t < NA; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int i = m0 + qa0 + t * 8 + 2 * tq + (e & 1);
+                const int j = n0 + ka0 + mt * 16 + g + (e >> 1) * 8;
+                if (i < L.q_len && j < L.kv_len) {
+                  const int64_t off = pp.dbias_entry + static_cast<int64_t>(i) * dop.row_stride +
+                                      static_cast<int64_t>(j) * dop.col_stride;
+                  if (dbias_mode == kDbiasDirect) {
+                    dbg[off] = E::from_float(dp[mt][t][e]);
+                  } else if (dp[mt][t][e] != 0.f) {
+                    atomicAdd(p.dbias_accum + off, dp[mt][t][e]);
+                  }
                 }
               }
-            }
-          }
         }
       }
 
-      if constexpr (Tr::kAliasBiasP) __syncthreads();  // bias tile (aliased by P) fully read
-#pragma unroll
-      for (int t = 0; t < NA; ++t) {
-        const int c = qc0 + t * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(sP + TileP::off(kr0 + g, c)) = E::pack(st[t][0], st[t][1]);
-        *reinterpret_cast<uint32_t*>(sP + TileP::off(kr0 + g + 8, c)) =
-            E::pack(st[t][2], st[t][3]);
-        *reinterpret_cast<uint32_t*>(sdS + TileP::off(kr0 + g, c)) = E::pack(dp[t][0], dp[t][1]);
-        *reinterpret_cast<uint32_t*>(sdS + TileP::off(kr0 + g + 8, c)) =
-            E::pack(dp[t][2], dp[t][3]);
-      }
-      __syncthreads();
-
-      // ---------------- phase B: dV += P^T dO, dK += dS^T Q -----------------------------------
-#pragma unroll
-      for (int ks = 0; ks < BM / 16; ++ks) {
-        uint32_t ap[4], ad[4];
-        ldsm_x4(ap, fpB(0, ks * 16));
-        ldsm_x4(ad, fdsB(0, ks * 16));
-#pragma unroll
-        for (int dq = 0; dq < DB / 16; ++dq) {
-          uint32_t bo[4], bq[4];
-          ldsm_x4_t(bo, foB(ks * 16, dq * 16));
-          ldsm_x4_t(bq, fqB(ks * 16, dq * 16));
-          E::mma(dv[2 * dq], ap, bo[0], bo[1]);
-          E::mma(dv[2 * dq + 1], ap, bo[2], bo[3]);
-          E::mma(dk[2 * dq], ad, bq[0], bq[1]);
-          E::mma(dk[2 * dq + 1], ad, bq[2], bq[3]);
-        }
-      }
-
-      // ---------------- next active query block ----------------------------------------------
+      // ---------------- next active query block (its loads overlap phases B and C) -----------
       int next = m + 1;
+      int next_flags = 0;
       if (has_mask) {
-        if (cand) {
-          cp_async_wait<0>();
-          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-          bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
-                                                      mask_rows, tid);
-          while (!act) {
+        if (more) {
+          next_flags = mask_flags(cur ^ 1);  // (its barriers also publish P and dS)
+          while (!(next_flags & kTileAny)) {
             ++next;
             if (next > m_last) break;
             load_mask(next, cur ^ 1);
             cp_async_commit();
-            cp_async_wait<0>();
-            if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-            act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
-                                                   tid);
+            next_flags = mask_flags(cur ^ 1);
           }
         } else {
           next = m_last + 1;
+          __syncthreads();  // P, dS visible
+        }
+        if constexpr (kStages == 2) {
+          if (next <= m_last) load_step(next, stage ^ 1);
+        }
+      } else {
+        __syncthreads();  // P, dS visible
+      }
+
+      // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q ------------------------------------
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks) {
+        uint32_t ap[MB][4], ad[MB][4];
+#pragma unroll
+        for (int mt = 0; mt < MB; ++mt) {
+          ldsm_x4(ap[mt], fpB(mt * 16, ks * 16));
+          ldsm_x4(ad[mt], fdsB(mt * 16, ks * 16));
+        }
+#pragma unroll
+        for (int dq = 0; dq < DB / 16; ++dq) {
+          uint32_t bo[4], bq[4];
+          ldsm_x4_t(bo, foB(ks * 16, dq * 16) + so);
+          ldsm_x4_t(bq, fqB(ks * 16, dq * 16) + so);
+#pragma unroll
+          for (int mt = 0; mt < MB; ++mt) {
+            E::mma(dv[mt][2 * dq], ap[mt], bo[0], bo[1]);
+            E::mma(dv[mt][2 * dq + 1], ap[mt], bo[2], bo[3]);
+            E::mma(dk[mt][2 * dq], ad[mt], bq[0], bq[1]);
+            E::mma(dk[mt][2 * dq + 1], ad[mt], bq[2], bq[3]);
+          }
         }
       }
-      __syncthreads();  // Q, dO, P (and the bias alias) free for the next block
-      if (next <= m_last) load_step(next);
 
-      // ---------------- phase C: dQ += dS K ---------------------------------------------------
+      if constexpr (kStages == 1) {
+        __syncthreads();  // Q, dO, bias (and P) free: the next block loads during phase C
+        if (next <= m_last) load_step(next, 0);
+      }
+
+      // ---------------- GEMM: dQ += dS K, fp32 atomics ----------------------------------------
       if (p.compute_dq) {
-        float* dqg = p.dq_accum + s.q_offset(b, h);
+        float* dqg = pp.dq;
 #pragma unroll
         for (int ch = 0; ch < DC / CH; ++ch) {
-          float acc[CH / 8][4];
+          float acc[MC][CH / 8][4];
 #pragma unroll
-          for (int t = 0; t < CH / 8; ++t)
+          for (int mt = 0; mt < MC; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+            for (int t = 0; t < CH / 8; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[mt][t][e] = 0.f;
 #pragma unroll
           for (int ks = 0; ks < BN / 16; ++ks) {
-            uint32_t a[4];
-            ldsm_x4_t(a, fdsC(ks * 16, 0));
+            uint32_t a[MC][4];
+#pragma unroll
+            for (int mt = 0; mt < MC; ++mt) ldsm_x4_t(a[mt], fdsC(ks * 16, mt * 16));
 #pragma unroll
             for (int dq = 0; dq < CH / 16; ++dq) {
               uint32_t bk[4];
               ldsm_x4_t(bk, fkC(ks * 16, ch * CH + dq * 16));
-              E::mma(acc[2 * dq], a, bk[0], bk[1]);
-              E::mma(acc[2 * dq + 1], a, bk[2], bk[3]);
-            }
-          }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          // Lanes tq and tq^1 swap halves so that each owns 4 consecutive columns of one row:
-          // the even lane row g, the odd lane row g + 8; one 16-byte vector atomic each.
-          {
-            const bool odd = (tq & 1) != 0;
-            const int i = m0 + mc * 16 + g + (odd ? 8 : 0);
-            float* row = dqg + static_cast<int64_t>(i) * q_rs + dcc0 + ch * CH + 4 * (tq >> 1);
 #pragma unroll
-            for (int t = 0; t < CH / 8; ++t) {
-              const float r0 = __shfl_xor_sync(0xffffffffu, odd ? acc[t][0] : acc[t][2], 1);
-              const float r1 = __shfl_xor_sync(0xffffffffu, odd ? acc[t][1] : acc[t][3], 1);
-              const float4 v = odd ? make_float4(r0, r1, acc[t][2], acc[t][3])
-                                   : make_float4(acc[t][0], acc[t][1], r0, r1);
-              if (i < L.q_len) atomicAdd(reinterpret_cast<float4*>(row + t * 8), v);
-            }
-          }
-#else
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = m0 + mc * 16 + g + half * 8;
-            if (i < L.q_len) {
-              float* row = dqg + static_cast<int64_t>(i) * q_rs + dcc0 + ch * CH + 2 * tq;
-#pragma unroll
-              for (int t = 0; t < CH / 8; ++t) {
-                atomicAdd(row + t * 8, acc[t][2 * half]);
-                atomicAdd(row + t * 8 + 1, acc[t][2 * half + 1]);
+              for (int mt = 0; mt < MC; ++mt) {
+                E::mma(acc[mt][2 * dq], a[mt], bk[0], bk[1]);
+                E::mma(acc[mt][2 * dq + 1], a[mt], bk[2], bk[3]);
               }
             }
           }
+#pragma unroll
+          for (int mt = 0; mt < MC; ++mt) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            // Lanes tq and tq^1 swap halves so that each owns 4 consecutive columns of one row:
+            // the even lane row g, the odd lane row g + 8; one 16-byte vector atomic each.
+            const bool odd = (tq & 1) != 0;
+            const int i = m0 + qc0 + mt * 16 + g + (odd ? 8 : 0);
+            float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 4 * (tq >> 1);
+#pragma unroll
+            for (int t = 0; t < CH / 8; ++t) {
+              const float r0 =
+                  __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][0] : acc[mt][t][2], 1);
+              const float r1 =
+                  __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][1] : acc[mt][t][3], 1);
+              const float4 v = odd ? make_float4(r0, r1, acc[mt][t][2], acc[mt][t][3])
+                                   : make_float4(acc[mt][t][0], acc[mt][t][1], r0, r1);
+              if (i < L.q_len) atomicAdd(reinterpret_cast<float4*>(row + t * 8), v);
+            }
+#else
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int i = m0 + qc0 + mt * 16 + g + half * 8;
+              if (i < L.q_len) {
+                float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 2 * tq;
+#pragma unroll
+                for (int t = 0; t < CH / 8; ++t) {
+                  atomicAdd(row + t * 8, acc[mt][t][2 * half]);
+                  atomicAdd(row + t * 8 + 1, acc[mt][t][2 * half + 1]);
+                }
+              }
+            }
 #endif
+          }
         }
       }
 
-      if (has_mask) cur ^= 1;
+      if (has_mask) {
+        cur ^= 1;
+        cur_all = (next_flags & kTileAll) != 0;
+      }
+      if constexpr (kStages == 2) stage ^= 1;
       m = next;
     }
 
@@ -509,23 +675,27 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
       if (!flush) {
         const int64_t b2 = batch_of(p, cls, (pi + 1) / G);
         const int h2 = hk * G + static_cast<int>((pi + 1) % G);
-        flush = dop.offset(s.batch, b2, h2) != dbias_entry;
+        flush = dop.offset(s.batch, b2, h2) != pp.dbias_entry;
       }
       if (flush && db_dirty) {  // db_dirty is CTA-uniform
-        float v0 = db_acc[0], v1 = db_acc[1];
-        v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-        v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
         __syncthreads();
-        if (tq == 0) {
-          atomicAdd(sDB + kr0 + g, v0);
-          atomicAdd(sDB + kr0 + g + 8, v1);
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt) {
+          float v0 = db_acc[mt][0], v1 = db_acc[mt][1];
+          v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+          v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+          v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+          v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+          if (tq == 0) {
+            atomicAdd(sDB + ka0 + mt * 16 + g, v0);
+            atomicAdd(sDB + ka0 + mt * 16 + g + 8, v1);
+          }
+          db_acc[mt][0] = db_acc[mt][1] = 0.f;
         }
         __syncthreads();
         if (tid < BN && n0 + tid < Lk) {
           const float v = sDB[tid];
-          const int64_t off = dbias_entry + static_cast<int64_t>(n0 + tid) * dop.col_stride;
+          const int64_t off = pp.dbias_entry + static_cast<int64_t>(n0 + tid) * dop.col_stride;
           if (dbias_mode == kDbiasDirect) {
             static_cast<T*>(p.dbias)[off] = E::from_float(v);
           } else if (v != 0.f) {
@@ -534,7 +704,6 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
         }
         __syncthreads();
         if (tid < BN) sDB[tid] = 0.f;
-        db_acc[0] = db_acc[1] = 0.f;
         db_dirty = false;
       }
     }
@@ -544,20 +713,43 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks) bwd_kernel(const __gr
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
-  for (int t = 0; t < DB / 8; ++t) {
-    const int c = dc0 + t * 8 + 2 * tq;
-    *reinterpret_cast<uint32_t*>(sK + TileKV::off(kr0 + g, c)) =
-        E::pack(dk[t][0] * p.scale, dk[t][1] * p.scale);
-    *reinterpret_cast<uint32_t*>(sK + TileKV::off(kr0 + g + 8, c)) =
-        E::pack(dk[t][2] * p.scale, dk[t][3] * p.scale);
-    *reinterpret_cast<uint32_t*>(sV + TileKV::off(kr0 + g, c)) = E::pack(dv[t][0], dv[t][1]);
-    *reinterpret_cast<uint32_t*>(sV + TileKV::off(kr0 + g + 8, c)) = E::pack(dv[t][2], dv[t][3]);
-  }
+  for (int mt = 0; mt < MB; ++mt)
+#pragma unroll
+    for (int t = 0; t < DB / 8; ++t) {
+      const int r = kb0 + mt * 16 + g;
+      const int c = db0 + t * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(sK + TileKV::off(r, c)) =
+          E::pack(dk[mt][t][0] * p.scale, dk[mt][t][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(sK + TileKV::off(r + 8, c)) =
+          E::pack(dk[mt][t][2] * p.scale, dk[mt][t][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(sV + TileKV::off(r, c)) = E::pack(dv[mt][t][0], dv[mt][t][1]);
+      *reinterpret_cast<uint32_t*>(sV + TileKV::off(r + 8, c)) =
+          E::pack(dv[mt][t][2], dv[mt][t][3]);
+    }
   __syncthreads();
   const int64_t dkv_off = p.dkv_batch.offset(s.batch, b_rep) + static_cast<int64_t>(hk) * D +
                           static_cast<int64_t>(n0) * kv_rs;
   store_tile<BN, D, NT>(static_cast<T*>(p.dk) + dkv_off, sK, kv_rs, Lk - n0, tid);
   store_tile<BN, D, NT>(static_cast<T*>(p.dv) + dkv_off, sV, kv_rs, Lk - n0, tid);
+}
+
+}  // namespace detail
+
+// Tiles too large for sm_80's shared memory compile to a trap there (none of the configured
+// ones: launch_template.cuh checks them against kSmemLimitSm80).
+template <typename Tr, typename T>
+__global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
+    bwd_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kCompiled = Tr::kSmem <= kSmemLimitSm80;
+#else
+  constexpr bool kCompiled = true;
+#endif
+  if constexpr (!kCompiled) {
+    __trap();
+  } else {
+    detail::bwd_main<Tr, T>(p);
+  }
 }
 
 // softmax_d[b, h, i] = sum_d dout * out - dlse. One warp per (b, i, h) row.

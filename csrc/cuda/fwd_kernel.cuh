@@ -7,8 +7,9 @@
 // K/V/bias tiles stream through cp.async (K and bias of block n-1 load while P V of block n runs,
 // V of block n while Q K^T runs). With a mask, the mask tile of the next candidate block is
 // prefetched and OR-reduced over the CTA (__syncthreads_or) before its K/V/bias are requested:
-// an all-false tile costs neither loads nor GEMMs. The analytic bounds (lengths, causal/window)
-// limit the key-block range before any mask is read.
+// an all-false tile costs neither loads nor GEMMs, and an all-true one (AND-reduced alongside)
+// skips the per-element mask test. The analytic bounds (lengths, causal/window) limit the
+// key-block range before any mask is read.
 #pragma once
 
 #include <cmath>
@@ -129,14 +130,18 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   cp_async_commit();
 
   int n = n_hi - 1;
-  int cur = 0;  // mask buffer holding the mask of block n
+  int cur = 0;           // mask buffer holding the mask of block n
+  bool cur_all = false;  // ... and that tile is all true (no per-element test)
   if (has_mask) {
     while (n >= n_lo) {
       load_mask(n, cur);
       cp_async_commit();
       cp_async_wait<0>();
       if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-      if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
+      const int fl =
+          tile_flags<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid);
+      cur_all = (fl & kTileAll) != 0;
+      if (fl & kTileAny) break;
       --n;
     }
   }
@@ -235,7 +240,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
-    if (has_mask || need_bounds) {
+    const bool mask_apply = has_mask && !cur_all;
+    if (mask_apply || need_bounds) {
       const uint8_t* sm = sMask + cur * Tr::kMaskTile;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -248,7 +254,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
           for (int t = 0; t < NTS; ++t) {
             const int c = t * 8 + 2 * tq;
             bool v0 = true, v1 = true;
-            if (has_mask) {
+            if (mask_apply) {
               const uint16_t mm =
                   *reinterpret_cast<const uint16_t*>(sm + rr * Tr::kMaskPitch + c);
               v0 = (mm & 0xff) != 0;
@@ -271,21 +277,22 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
 
     // next active block
     int next = n - 1;
+    int next_flags = 0;
     if (has_mask) {
       if (cand) {
         cp_async_wait<1>();
         if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-        bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
-                                                    mask_rows, tid);
-        while (!act) {
+        next_flags = tile_flags<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
+                                                        mask_rows, tid);
+        while (!(next_flags & kTileAny)) {
           --next;
           if (next < n_lo) break;
           load_mask(next, cur ^ 1);
           cp_async_commit();
           cp_async_wait<0>();
           if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-          act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
-                                                 tid);
+          next_flags = tile_flags<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
+                                                          mask_rows, tid);
         }
       } else {
         next = n_lo - 1;
@@ -357,7 +364,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       }
     }
 
-    if (has_mask) cur ^= 1;
+    if (has_mask) {
+      cur ^= 1;
+      cur_all = (next_flags & kTileAll) != 0;
+    }
     n = next;
   }
 

@@ -182,26 +182,40 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
 
 // ldmatrix addressing into a SwizzledTile<ROWS, COLS> for one thread: the thread supplies the
 // row `row` (its lane part; any warp base must be a multiple of 8) and the column
-// col_base + c0 + lane_c, lane_c in {0, 8}, col_base and c0 multiples of 16. With col_base == 0
-// and compile-time r0, c0 the address is a base register plus an immediate and one XOR.
-template <int ROWS, int COLS>
+// col_base + c0 + lane_c, lane_c in {0, 8}, col_base and c0 multiples of 16.
+//
+// kFold (the default): the swizzle of col_base is folded into one per-thread base register and
+// each fragment address is that register XOR an immediate plus an immediate, so the unrolled
+// loops need no register per address. Requires col_base to be a multiple of a power of two
+// above every c0 used with it (always true for col_base == 0) and the tile to start on a row
+// boundary of 128 (KB = 64) / 64 (KB = 32) bytes. Without kFold, col_base is added at run time.
+template <int ROWS, int COLS, bool kFold = true>
 struct FragAddr {
   using Tile = SwizzledTile<ROWS, COLS>;
   static constexpr int KB = Tile::KB;
-  uint32_t base;
-  uint32_t y;
+  uint32_t base;  // kFold: row start, col_base's block and swizzled chunk; else: row start
+  uint32_t y;     // swizzle XOR of the chunk index (unused with kFold)
   int col_base;
   __device__ __forceinline__ FragAddr(const void* tile, int row, int lane_c, int col_base_ = 0)
       : col_base(col_base_) {
-    base = smem_u32(tile) + static_cast<uint32_t>(row * KB * 2);
     const int sw = (KB == 64) ? (row & 7) : ((row >> 1) & 3);
     y = static_cast<uint32_t>((lane_c >> 3) ^ sw);
+    base = smem_u32(tile) + static_cast<uint32_t>(row * KB * 2);
+    if constexpr (kFold) {
+      base += static_cast<uint32_t>((col_base_ / KB) * ROWS * KB * 2) +
+              ((y ^ static_cast<uint32_t>((col_base_ % KB) >> 3)) << 4);
+    }
   }
   // Address of the fragment whose first row is r0 (a multiple of 8) and first column c0.
   __device__ __forceinline__ uint32_t operator()(int r0, int c0) const {
-    const int c = col_base + c0;
-    return base + static_cast<uint32_t>((r0 * KB + (c / KB) * ROWS * KB) * 2) +
-           ((static_cast<uint32_t>((c % KB) >> 3) ^ y) << 4);
+    if constexpr (kFold) {
+      return (base ^ (static_cast<uint32_t>((c0 % KB) >> 3) << 4)) +
+             static_cast<uint32_t>((r0 * KB + (c0 / KB) * ROWS * KB) * 2);
+    } else {
+      const int c = col_base + c0;
+      return base + static_cast<uint32_t>((r0 * KB + (c / KB) * ROWS * KB) * 2) +
+             ((static_cast<uint32_t>((c % KB) >> 3) ^ y) << 4);
+    }
   }
 };
 
@@ -274,10 +288,7 @@ __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_
   }
 }
 
-// CTA-wide OR over a byte tile ([rows][COLS] with pitch SROW, a multiple of 16). Contains a
-// __syncthreads (every thread of the CTA must call it). Each thread reads exactly the 16-byte
-// chunks that load_operand_tile's vector path gave it to copy, so after that path a thread's own
-// cp.async.wait suffices and no barrier is needed before this call (the scalar path needs one).
+// CTA-wide OR alone (see tile_flags below for the contract).
 template <int COLS, int SROW, int NT>
 __device__ __forceinline__ bool tile_any(const uint8_t* smem, int rows, int tid) {
   constexpr int kChunksPerRow = COLS / 16;
@@ -290,6 +301,34 @@ __device__ __forceinline__ bool tile_any(const uint8_t* smem, int rows, int tid)
     acc |= v.x | v.y | v.z | v.w;
   }
   return __syncthreads_or(acc != 0) != 0;
+}
+
+// CTA-wide OR and AND over a byte tile ([rows][COLS] with pitch SROW, a multiple of 16):
+// bit kTileAny of the result is set when some element is nonzero, bit kTileAll when every
+// element is (the mask then needs no per-element test). Contains barriers (every thread of the
+// CTA must call it). Each thread reads exactly the 16-byte chunks that load_operand_tile's
+// vector path gave it to copy, so after that path a thread's own cp.async.wait suffices and no
+// barrier is needed before this call (the scalar path needs one).
+constexpr int kTileAny = 1, kTileAll = 2;
+__device__ __forceinline__ bool no_zero_byte(uint32_t x) {
+  return ((x - 0x01010101u) & ~x & 0x80808080u) == 0;
+}
+template <int COLS, int SROW, int NT>
+__device__ __forceinline__ int tile_flags(const uint8_t* smem, int rows, int tid) {
+  constexpr int kChunksPerRow = COLS / 16;
+  uint32_t acc = 0;
+  bool all = true;
+  const int chunks = rows * kChunksPerRow;
+  for (int id = tid; id < chunks; id += NT) {
+    const int r = id / kChunksPerRow;
+    const int c = (id % kChunksPerRow) * 16;
+    const uint4 v = *reinterpret_cast<const uint4*>(smem + r * SROW + c);
+    acc |= v.x | v.y | v.z | v.w;
+    all = all && no_zero_byte(v.x) && no_zero_byte(v.y) && no_zero_byte(v.z) && no_zero_byte(v.w);
+  }
+  const bool any_cta = __syncthreads_or(acc != 0) != 0;
+  const bool all_cta = __syncthreads_and(all) != 0;
+  return (any_cta ? kTileAny : 0) | (all_cta ? kTileAll : 0);
 }
 
 // ------------------------------------------------------------------------------------------

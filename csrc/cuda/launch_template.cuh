@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <type_traits>
+
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/dq_kernel.cuh"
 #include "cuda/fwd_kernel.cuh"
@@ -27,14 +30,49 @@ struct FwdConfig<192> { using Traits = FwdTraits<192, 64, 64, 4>; };
 template <>
 struct FwdConfig<256> { using Traits = FwdTraits<256, 64, 64, 4>; };
 
-// Backward tiles: key block BN, query block BM, NW warps (16 keys per warp; each warp holds
-// dK, dV for its keys and D / (NW * 16 / BN) columns in registers).
-template <int D>
-struct BwdConfig {
-  using Traits = BwdTraits<D, (D <= 64 ? 128 : 64), 64, 8>;
-  // Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
+// Backward tiles: BwdTraits<D, key block BN, query block BM, warps, warp grids of phases A / B /
+// C, Q/dO stages> (see bwd_kernel.cuh); every tile fits sm_80's 163 KB of shared memory.
+// `Narrow` (key block 64) replaces `Traits` when the grid of the wide tile would leave SMs idle
+// (few kv heads x batches, e.g. GQA with one kv head): one CTA per (key block, kv head) walks
+// all the query heads of its group. Deterministic dq kernel: query block x key block, 4 warps
+// of 16 query rows.
+template <int D, typename Main, typename NarrowTile = Main>
+struct BwdTiles {
+  using Traits = Main;
+  using Narrow = NarrowTile;
+  static_assert(Main::kSmem <= kSmemLimitSm80 && Narrow::kSmem <= kSmemLimitSm80,
+                "backward tiles must fit sm_80");
   using DqTraits = DqTraits<D, 64, 64, 4>;
 };
+template <int D>
+struct BwdConfig;
+template <>
+struct BwdConfig<32> : BwdTiles<32, BwdTraits<32, 128, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<64> : BwdTiles<64, BwdTraits<64, 128, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<96> : BwdTiles<96, BwdTraits<96, 64, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>,
+                                 BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<192> : BwdTiles<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
+template <>
+struct BwdConfig<256> : BwdTiles<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
+
+// CTAs of the backward grid for key block BN (one per key block, kv head and dk/dv class).
+inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
+  return (l.p.s.seqlen_k + bn - 1) / bn * l.p.s.num_kv_heads * l.p.kv_classes;
+}
+
+inline int MultiProcessors() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    return 132;
+  }
+  return n;
+}
 
 template <typename Kernel>
 inline cudaError_t PrepareSmem(Kernel kernel, int bytes) {
@@ -42,23 +80,57 @@ inline cudaError_t PrepareSmem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+#if defined(DMATTN_CUDA_TUNING)
+// Test builds only: DMATTN_CUDA_VARIANT=<n> (n > 0) runs alternative tiles, defined for some
+// (head dim, dtype) pairs in tests/cuda/tune_*.cu; cudaErrorNotSupported elsewhere.
+inline int TuningVariant() {
+  const char* e = std::getenv("DMATTN_CUDA_VARIANT");
+  return e ? std::atoi(e) : 0;
+}
 template <int D, typename T>
-cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
-  using Tr = typename FwdConfig<D>::Traits;
+cudaError_t RunForwardVariant(int, const FwdParams&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+template <int D, typename T>
+cudaError_t RunBackwardVariant(int, const BwdLaunch&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+template <>
+cudaError_t RunForwardVariant<64, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
+template <>
+cudaError_t RunForwardVariant<128, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
+template <>
+cudaError_t RunBackwardVariant<64, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
+template <>
+cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
+#endif
+
+template <typename Tr, typename T>
+cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
   const int64_t blocks = static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads;
   if (blocks == 0) return cudaSuccess;
   auto kernel = fwd_kernel<Tr, T>;
   if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
-  kernel<<<static_cast<unsigned>(blocks), Tr::kNT, Tr::kSmem, stream>>>(p);
+  // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
+  const int smem =
+      p.mask != nullptr ? Tr::kSmem : (p.bias != nullptr ? Tr::kOffMask : Tr::kOffBias);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <int D, typename T>
-cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream) {
-  using Tr = typename BwdConfig<D>::Traits;
-  using DqTr = typename BwdConfig<D>::DqTraits;
+cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
+#if defined(DMATTN_CUDA_TUNING)
+  if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
+#endif
+  return RunForwardTiles<typename FwdConfig<D>::Traits, T>(params, stream);
+}
+
+template <typename Tr, typename DqTr, typename T>
+cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
+  constexpr int D = Tr::D;
   BwdParams p = launch.p;
   const AttentionShape& s = p.s;
   const int64_t B = s.batch_count();
@@ -135,6 +207,22 @@ cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+template <int D, typename T>
+cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream) {
+#if defined(DMATTN_CUDA_TUNING)
+  if (const int v = TuningVariant(); v > 0) return RunBackwardVariant<D, T>(v, launch, stream);
+#endif
+  using Cfg = BwdConfig<D>;
+  using Main = typename Cfg::Traits;
+  using Narrow = typename Cfg::Narrow;
+  if constexpr (!std::is_same_v<Main, Narrow>) {
+    if (BackwardCtas(launch, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors())) {
+      return RunBackwardTiles<Narrow, typename Cfg::DqTraits, T>(launch, stream);
+    }
+  }
+  return RunBackwardTiles<Main, typename Cfg::DqTraits, T>(launch, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -6,6 +6,8 @@
 //   kernel_check --bench    also time a few large shapes (no reference)
 //   kernel_check --only S   run the cases whose name contains S (--case S: exactly S)
 //   kernel_check --list     print the case names; --bench-only: the benchmarks alone
+//   kernel_check --variants also check / time the alternative tiles of a tuning build
+//                           (-DDMATTN_CUDA_TUNING with tests/cuda/tune_*.cu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +36,24 @@ using dmattn::BatchStrides;
 using dmattn::BroadcastOperand;
 using dmattn::ElementType;
 using dmattn::ForwardArgs;
+
+#if defined(DMATTN_CUDA_TUNING)
+namespace dmattn::cuda {
+int TuningVariants(bool backward, int head_dim);  // tests/cuda/tune_fwd.cu
+}
+int NumVariants(bool backward, int64_t head_dim, bool bf16) {
+  return bf16 ? dmattn::cuda::TuningVariants(backward, static_cast<int>(head_dim)) : 0;
+}
+#else
+int NumVariants(bool, int64_t, bool) { return 0; }
+#endif
+void SetVariant(int v) {
+  if (v > 0) {
+    setenv("DMATTN_CUDA_VARIANT", std::to_string(v).c_str(), 1);
+  } else {
+    unsetenv("DMATTN_CUDA_VARIANT");
+  }
+}
 
 #define CK(x)                                                                            \
   do {                                                                                   \
@@ -742,6 +762,29 @@ std::vector<Case> AllCases() {
     c.H = 4; c.Hk = 2; c.Lq = 50; c.Lk = 70; c.D = 128; c.bias = Op({2, 1}, 2, false, true);
     c.deterministic = true; add(c);
   }
+  // multi-block shapes for the pipelined backward (two Q/dO stages) and the wide tiles
+  {
+    Case c; c.name = "dense_gqa_d128_q300_k520"; c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 300;
+    c.Lk = 520; c.D = 128; add(c);
+  }
+  {
+    Case c; c.name = "causal_d64_q333_k400"; c.H = 2; c.Hk = 1; c.Lq = 333; c.Lk = 400;
+    c.D = 64; c.causal = true; c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "softcap_d128_mask_bias_q200_k260"; c.H = 2; c.Hk = 1; c.Lq = 200;
+    c.Lk = 260; c.D = 128; c.softcap = 5.f; c.qk_std = 1.5f; c.mask = Op({1}, 2, true, true);
+    c.mask_holes = true; c.bias = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "perkey_bias_gqa_d64_q300"; c.H = 4; c.Hk = 2; c.Lq = 300; c.Lk = 300;
+    c.D = 64; c.bias = Op({1}, 4, false, true); add(c);
+  }
+  {
+    Case c; c.name = "window_seqlens_d128"; c.batch = {2}; c.H = 2; c.Hk = 2; c.Lq = 400;
+    c.Lk = 400; c.D = 128; c.window_left = 100; c.window_right = 20; c.seqlens = true;
+    c.q_lens = {400, 150}; c.kv_lens = {380, 222}; add(c);
+  }
   return v;
 }
 
@@ -761,6 +804,17 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_atomic_dbias_d64"; c.batch = {2}; c.H = 2; c.Hk = 2; c.Lq = 40;
     c.Lk = 50; c.D = 64; c.bias = Op({1}, 1, true, true); v.push_back(c);
   }
+  {
+    // several query blocks per CTA: the backward's prefetch of the next block (mask path)
+    Case c; c.name = "quick_q200_k140_d128_mask_bias"; c.H = 2; c.Hk = 1; c.Lq = 200;
+    c.Lk = 140; c.D = 128; c.mask = Op({1}, 2, true, true); c.mask_holes = true;
+    c.bias = Op({1}, 2, true, true); v.push_back(c);
+  }
+  {
+    // ... and without a mask (next block's tiles requested at the top of the iteration)
+    Case c; c.name = "quick_q260_k130_d64_dense"; c.H = 2; c.Hk = 2; c.Lq = 260; c.Lk = 130;
+    c.D = 64; v.push_back(c);
+  }
   return v;
 }
 
@@ -768,7 +822,7 @@ bool Compiled(const Case& c) {
   return dmattn::cuda::SupportsHeadDim(c.D) && DtypeCompiled(c.bf16);
 }
 
-void Bench() {
+void Bench(bool variants) {
   struct B {
     const char* name;
     Case c;
@@ -805,17 +859,7 @@ void Bench() {
     benches.push_back({"dense d128 L4k B4 H16 (deterministic dq kernel)", c, 0});
   }
   benches.push_back({"dense d128 L4k B4 H16 causal", mk("b2", 4, 16, 16, 4096, 128, true, false, false), 0});
-  {
-    Case c = mk("b2d", 4, 16, 16, 4096, 128, true, false, false);
-    c.deterministic = true;
-    benches.push_back({"dense d128 L4k B4 H16 causal (deterministic)", c, 0});
-  }
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
-  {
-    Case c = mk("b3d", 4, 32, 32, 4096, 64, false, false, false);
-    c.deterministic = true;
-    benches.push_back({"dense d64 L4k B4 H32 (deterministic)", c, 0});
-  }
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
   benches.push_back({"per-key bias, mask[B,Hk,L,L] d128 L16k H2 Hk1 causal", mk("b5", 1, 2, 1, 16384, 128, true, false, true), 0});
@@ -833,14 +877,30 @@ void Bench() {
     if (!Compiled(b.c)) continue;
     Problem P = Build(b.c, 7, true);
     Buffers in = UploadInputs(P);
-    float mf = 0, mb = 0;
-    DeviceOut o;
-    FwdOut f = RunForwardDevice(P, in, &o, &mf, 10);
-    RunBackwardDevice(P, in, f, &o, &mb, 10);
-    FreeFwd(f);
-    double fl = 4.0 * P.B * b.c.H * b.c.Lq * b.c.Lk * b.c.D * (b.c.causal ? 0.5 : 1.0);
-    std::printf("%-55s %10.3f %10.1f %10.3f %10.1f\n", b.name, mf, fl / mf / 1e9, mb,
-                2.5 * fl / mb / 1e9);
+    const double fl = 4.0 * P.B * b.c.H * b.c.Lq * b.c.Lk * b.c.D * (b.c.causal ? 0.5 : 1.0);
+    // variant 0 = the library's tiles; then the tuning build's alternatives (skipped for
+    // deterministic runs, whose dq kernel has no alternatives)
+    const int nf = variants ? NumVariants(false, b.c.D, b.c.bf16) : 0;
+    const int nb = variants && !b.c.deterministic ? NumVariants(true, b.c.D, b.c.bf16) : 0;
+    for (int v = 0; v <= std::max(nf, nb); ++v) {
+      float mf = 0, mb = 0;
+      DeviceOut o;
+      SetVariant(v <= nf ? v : 0);
+      FwdOut f = RunForwardDevice(P, in, &o, &mf, 10);
+      SetVariant(v <= nb ? v : 0);
+      if (v <= nb) RunBackwardDevice(P, in, f, &o, &mb, 10);
+      SetVariant(0);
+      FreeFwd(f);
+      char label[96];
+      std::snprintf(label, sizeof(label), "  ^ variant %d", v);
+      std::printf("%-55s %10.3f %10.1f", v == 0 ? b.name : label, mf, fl / mf / 1e9);
+      if (v <= nb) {
+        std::printf(" %10.3f %10.1f\n", mb, 2.5 * fl / mb / 1e9);
+      } else {
+        std::printf(" %10s %10s\n", "-", "-");
+      }
+      std::fflush(stdout);
+    }
     FreeInputs(in);
   }
 }
@@ -848,7 +908,7 @@ void Bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, bench = false, list = false, bench_only = false;
+  bool quick = false, bench = false, list = false, bench_only = false, variants = false;
   std::string only, exact;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -857,6 +917,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     if (!std::strcmp(argv[i], "--case") && i + 1 < argc) exact = argv[++i];
     if (!std::strcmp(argv[i], "--bench-only")) bench = bench_only = true;
+    if (!std::strcmp(argv[i], "--variants")) variants = true;
   }
   if (list) {
     for (const Case& c : AllCases()) std::printf("%s\n", c.name.c_str());
@@ -869,7 +930,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
 
   const std::vector<Case> cases = quick ? QuickCases() : AllCases();
-  int failures = 0, ran = 0;
+  int failures = 0, ran = 0, variant_failures = 0;
   std::printf("%-36s %-4s %8s %8s %8s %8s %8s %8s %5s %s\n", "case", "dt", "out", "lse_abs",
               "dq", "dk", "dv", "dbias", "det", "status");
   for (size_t ci = 0; ci < cases.size(); ++ci) {
@@ -910,6 +971,42 @@ int main(int argc, char** argv) {
       RunBackwardDevice(P, in, f, &o2, nullptr, 0);
       det_ok = o2.dq == o.dq && o2.dk == o.dk && o2.dv == o.dv && o2.dbias == o.dbias;
     }
+    // alternative tiles of a tuning build: same checks, reported below the case's line
+    std::string vlines;
+    const int nf = variants ? NumVariants(false, c.D, c.bf16) : 0;
+    const int nb = variants && !c.deterministic ? NumVariants(true, c.D, c.bf16) : 0;
+    for (int v = 1; v <= std::max(nf, nb); ++v) {
+      DeviceOut ov;
+      Err vo, vl, vq, vk, vv, vb;
+      if (v <= nf) {
+        SetVariant(v);
+        FwdOut fv = RunForwardDevice(P, in, &ov, nullptr, 0);
+        SetVariant(0);
+        FreeFwd(fv);
+        vo = Compare16(ov.out, R.out, P.dt);
+        vl = CompareLse(ov.lse, R.lse);
+      }
+      if (v <= nb) {
+        SetVariant(v);
+        RunBackwardDevice(P, in, f, &ov, nullptr, 0);
+        SetVariant(0);
+        vq = Compare16(ov.dq, R.dq, P.dt);
+        vk = Compare16(ov.dk, R.dk, P.dt);
+        vv = Compare16(ov.dv, R.dv, P.dt);
+        if (P.s.bias.present) vb = Compare16(ov.dbias, R.dbias, P.dt);
+      }
+      const bool vnan = vo.nan || vl.nan || vq.nan || vk.nan || vv.nan || vb.nan;
+      const bool vok = !vnan && vo.rel <= 1e-2 && vl.rel <= 5e-2 && vq.rel <= 2e-2 &&
+                       vk.rel <= 2e-2 && vv.rel <= 2e-2 && vb.rel <= 2e-2;
+      if (!vok) ++variant_failures;
+      char buf[256];
+      std::snprintf(buf, sizeof(buf),
+                    "  ^ variant %d (fwd %s, bwd %s)   %8.1e %8.1e %8.1e %8.1e %8.1e %8.1e %5s "
+                    "%s\n",
+                    v, v <= nf ? "yes" : "-", v <= nb ? "yes" : "-", vo.rel, vl.rel, vq.rel, vk.rel,
+                    vv.rel, vb.rel, "-", vok ? "PASS" : (vnan ? "FAIL (NaN/inf)" : "FAIL"));
+      vlines += buf;
+    }
     FreeFwd(f);
     FreeInputs(in);
     const Err eq = Compare16(o.dq, R.dq, P.dt);
@@ -946,9 +1043,11 @@ int main(int argc, char** argv) {
         }
       }
     }
+    std::printf("%s", vlines.c_str());
     std::fflush(stdout);
   }
-  if (bench) Bench();
+  if (variants) std::printf("variant failures: %d\n", variant_failures);
+  if (bench) Bench(variants);
   std::printf("\n%d case(s) run, %d failed\n", ran, failures);
   return failures ? 1 : 0;
 }

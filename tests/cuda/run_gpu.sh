@@ -1,17 +1,37 @@
 #!/bin/bash
 # Build the CUDA kernels + tests/cuda/kernel_check on a GPU machine, run every case in its own
-# process, compute-sanitizer memcheck/racecheck on --quick, and the benchmarks. Logs go to
-# $OUT (default build/gpu_logs); a summary is printed last.
-#   ARCH=90 DIMS="64 128" DTYPES="bf16" tests/cuda/run_gpu.sh
+# process, the benchmarks, and compute-sanitizer on --quick. Logs go to $LOG (default
+# build/gpu_logs); a summary is printed last. Sections are gated on elapsed time so that the
+# whole run fits ~230 s. When $OUT is set (the device tool's return folder), at most 8 files are
+# copied there after each section.
+#   ARCH=90 DIMS="64 128" DTYPES="bf16" TUNE=1 tests/cuda/run_gpu.sh
+# TUNE=1 also builds tests/cuda/tune_*.cu (alternative tiles, DMATTN_CUDA_VARIANT) and checks
+# and times them next to the library's tiles (kernel_check --variants).
 set -u
-OUT=${OUT:-build/gpu_logs}
+LOG=${LOG:-build/gpu_logs}
 ARCH=${ARCH:-90}
 DIMS=${DIMS:-"32 64 96 128 192 256"}
 DTYPES=${DTYPES:-"bf16 fp16"}
+TUNE=${TUNE:-0}
 rm -rf build/obj
-mkdir -p "$OUT" build/obj
+mkdir -p "$LOG" build/obj
+sync_out() {
+  [ -n "${OUT:-}" ] || return 0
+  for f in summary.txt cases.log bench.log ptxas.txt compile_times.txt; do
+    [ -f "$LOG/$f" ] && cp "$LOG/$f" "$OUT/"
+  done
+  cat "$LOG"/memcheck.log "$LOG"/racecheck.log "$LOG"/synccheck.log "$LOG"/initcheck.log \
+    > "$OUT/sanitizers.log" 2>/dev/null
+  return 0
+}
 DEFS=""
 SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu"
+VARIANTS=""
+if [ "$TUNE" = 1 ]; then
+  DEFS="$DEFS -DDMATTN_CUDA_TUNING=1"
+  SRCS="$SRCS $(ls tests/cuda/tune_*.cu | tr '\n' ' ')"
+  VARIANTS="--variants"
+fi
 for d in $DIMS; do
   DEFS="$DEFS -DDMATTN_ENABLE_HDIM$d=1"
   for t in $DTYPES; do
@@ -19,59 +39,62 @@ for d in $DIMS; do
   done
 done
 for t in $DTYPES; do DEFS="$DEFS -DDMATTN_ENABLE_$(echo "$t" | tr a-z A-Z)=1"; done
-export FLAGS="-std=c++17 --expt-relaxed-constexpr --use_fast_math -O3 -lineinfo -gencode arch=compute_$ARCH,code=sm_$ARCH -I csrc -I .cutlass/include $DEFS"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+export FLAGS="-std=c++17 --expt-relaxed-constexpr --use_fast_math -O3 -lineinfo -gencode arch=compute_$ARCH,code=sm_$ARCH -I csrc $DEFS"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$LOG/gpu.txt" 2>&1
 
 t0=$(date +%s)
-printf "%s\n" $SRCS | xargs -P "$(nproc)" -I{} sh -c \
+el() { echo $(( $(date +%s) - t0 )); }
+# the tuning files are the slowest: start them first
+printf "%s\n" $SRCS | sort -r | xargs -P "$(nproc)" -I{} sh -c \
   'f={}; o=build/obj/$(basename $f).o; /usr/bin/time -f "%e s" nvcc $FLAGS -Xptxas -v -c $f -o $o > $o.log 2>&1 || echo "COMPILE FAILED: $f"'
-cat build/obj/*.log > "$OUT/compile.log"
-nvcc -gencode arch=compute_$ARCH,code=sm_$ARCH build/obj/*.o -o build/kernel_check >> "$OUT/compile.log" 2>&1 \
-  || { echo "LINK FAILED"; tail -50 "$OUT/compile.log"; exit 1; }
-t1=$(date +%s)
-echo "build: $((t1 - t0)) s" | tee "$OUT/summary.txt"
-grep -E "Compiling entry|spill|Used" "$OUT/compile.log" | sed 's/ptxas info    ://' > "$OUT/ptxas.txt"
+for f in build/obj/*.log; do echo "== $f: $(tail -1 $f)"; done > "$LOG/compile_times.txt"
+cat build/obj/*.log > "$LOG/compile.log"
+nvcc -gencode arch=compute_$ARCH,code=sm_$ARCH build/obj/*.o -o build/kernel_check >> "$LOG/compile.log" 2>&1 \
+  || { echo "LINK FAILED"; grep -B2 -A8 -E "error" "$LOG/compile.log" | head -80; exit 1; }
+echo "build: $(el) s" | tee "$LOG/summary.txt"
+grep -E "Compiling entry|spill|Used" "$LOG/compile.log" | sed 's/ptxas info    ://' > "$LOG/ptxas.txt"
+sync_out
 
-: > "$OUT/cases.log"
+# 1. correctness, one process per case (a crash names its case)
+: > "$LOG/cases.log"
 for c in $(build/kernel_check --list); do
-  if [ $(( $(date +%s) - t0 )) -gt 140 ]; then echo "$c  not run (time budget)" >> "$OUT/cases.log"; continue; fi
-  timeout -k 5 25 build/kernel_check --case "$c" > "$OUT/case_$c.log" 2>&1
+  if [ "$(el)" -gt "${CASES_UNTIL:-125}" ]; then echo "$c  not run (time budget)" >> "$LOG/cases.log"; continue; fi
+  timeout -k 5 25 build/kernel_check $VARIANTS --case "$c" > "$LOG/case_$c.log" 2>&1
   rc=$?
-  line=$(grep -E "PASS|FAIL|skipped" "$OUT/case_$c.log" | head -1)
-  [ -z "$line" ] && line="$c  rc=$rc (crash/timeout): $(grep -v '^device' "$OUT/case_$c.log" | tail -2 | tr '\n' ' ')"
-  echo "$line" >> "$OUT/cases.log"
-  grep -E "worst|first bad" "$OUT/case_$c.log" >> "$OUT/cases.log"
+  line=$(grep -E "PASS|FAIL|skipped" "$LOG/case_$c.log" | head -1)
+  [ -z "$line" ] && line="$c  rc=$rc (crash/timeout): $(grep -v '^device' "$LOG/case_$c.log" | tail -2 | tr '\n' ' ')"
+  echo "$line" >> "$LOG/cases.log"
+  grep -E "worst|first bad|\^ variant" "$LOG/case_$c.log" >> "$LOG/cases.log"
 done
-t2=$(date +%s)
+echo "cases done at $(el) s" >> "$LOG/summary.txt"
+sync_out
 
-timeout -k 5 40 compute-sanitizer --tool memcheck build/kernel_check --quick > "$OUT/memcheck.log" 2>&1
-echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)" >> "$OUT/summary.txt"
-timeout -k 5 40 compute-sanitizer --tool racecheck build/kernel_check --quick > "$OUT/racecheck.log" 2>&1
-echo "racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)" >> "$OUT/summary.txt"
-for tool in synccheck initcheck; do
-  timeout -k 5 40 compute-sanitizer --tool $tool build/kernel_check --quick > "$OUT/$tool.log" 2>&1
-  echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/$tool.log" | tail -1)" >> "$OUT/summary.txt"
-done
-# memcheck on larger irregular cases (one per head dim family), while time allows
-: > "$OUT/memcheck_cases.log"
-for c in ${MEMCHECK_CASES:-irregular_q17_k129_d96_mask_bias softcap_d256_bias window40_10_d192_bias1row vmap_grads_full_d64 gqa_bcast_kv_summed_d128 seqlens_d32 kvbatch_bcast_d64_atomic_bias}; do
-  if [ $(( $(date +%s) - t0 )) -gt 200 ]; then echo "$c memcheck not run (time budget)" >> "$OUT/summary.txt"; continue; fi
-  timeout -k 5 30 compute-sanitizer --tool memcheck build/kernel_check --case "$c" >> "$OUT/memcheck_cases.log" 2>&1
-  echo "memcheck $c rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_cases.log" | tail -1)" >> "$OUT/summary.txt"
-done
-t3=$(date +%s)
-timeout -k 5 60 build/kernel_check --bench-only > "$OUT/bench.log" 2>&1
-t4=$(date +%s)
-echo "cases $((t2 - t1)) s, sanitizers $((t3 - t2)) s, bench $((t4 - t3)) s" >> "$OUT/summary.txt"
+# 2. benchmarks
+timeout -k 5 ${BENCH_S:-45} build/kernel_check $VARIANTS --bench-only > "$LOG/bench.log" 2>&1
+echo "bench rc=$? done at $(el) s" >> "$LOG/summary.txt"
+sync_out
+
+# 3. sanitizers on the quick cases, while time allows
+san() {
+  if [ "$(el)" -gt "$2" ]; then echo "$1 not run (time budget)" >> "$LOG/summary.txt"; return; fi
+  timeout -k 5 "$3" compute-sanitizer --tool "$1" build/kernel_check --quick > "$LOG/$1.log" 2>&1
+  echo "$1 rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOG/$1.log" | tail -1)" >> "$LOG/summary.txt"
+}
+san memcheck 200 25
+san racecheck 200 30
+san synccheck 215 15
+san initcheck 215 15
+echo "total $(el) s" >> "$LOG/summary.txt"
+sync_out
 
 echo "================ ptxas (kernels with spills) ================"
-grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -oE "(fwd|bwd|dq)_kernel[^']*|[0-9]+ bytes spill stores" | paste - - | sort -u | head -30
+grep -B1 -E "[1-9][0-9]* bytes spill stores" "$LOG/ptxas.txt" | grep -oE "(fwd|bwd|dq)_kernel[^']*|[0-9]+ bytes spill stores" | paste - - | sort -u | head -30
 echo "================ sanitizers ================"
-grep -hE "Invalid|Race|hazard|Uninitialized|Barrier|ERROR" "$OUT"/memcheck*.log "$OUT/racecheck.log" "$OUT/synccheck.log" "$OUT/initcheck.log" | sort | uniq -c | head -20
-echo "================ bench ================"
-cat "$OUT/bench.log"
-echo "================ summary ================"
-cat "$OUT/summary.txt"
-cat "$OUT/gpu.txt"
+grep -hE "Invalid|Race|hazard|Uninitialized|Barrier|ERROR" "$LOG"/memcheck.log "$LOG/racecheck.log" "$LOG/synccheck.log" "$LOG/initcheck.log" 2>/dev/null | sort | uniq -c | head -20
 echo "================ cases ================"
-cat "$OUT/cases.log"
+cat "$LOG/cases.log"
+echo "================ bench ================"
+cat "$LOG/bench.log"
+echo "================ summary ================"
+cat "$LOG/summary.txt"
+cat "$LOG/gpu.txt"
