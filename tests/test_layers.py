@@ -1,0 +1,318 @@
+"""The Flax and Equinox front ends: ``jax_dmattn.flax.attention_fn`` against Flax's default
+attention, and the Dynamic Mask Attention layers (NNX, Linen, Equinox) against a plain-JAX float64
+implementation of the same layer, with gradients, jit and KV-cache decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOL_FP32, assert_close, reference_jit, rel_error
+
+eqx = pytest.importorskip("equinox")  # optional dependencies of jax_dmattn
+pytest.importorskip("flax")
+
+from flax import linen, nnx  # noqa: E402
+
+from jax_dmattn import equinox as dma_eqx  # noqa: E402
+from jax_dmattn import flax as dma_flax  # noqa: E402
+
+# ---- attention_fn as Flax's attention_fn ------------------------------------------------------
+
+FEATURES, HEADS = 32, 4
+
+
+def normal(shape: tuple[int, ...], seed: int) -> jax.Array:
+    """float32 standard normals (numpy: no per-shape compilation of jax.random)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _tokens(shape: tuple[int, ...], seed: int = 0) -> jax.Array:
+    return normal((*shape, FEATURES), seed)
+
+
+def _mask(kind: str, batch: tuple[int, ...], length: int) -> jax.Array | None:
+    """None, Flax's causal mask ``[*batch, 1, L, L]``, or a padding mask (last keys hidden)."""
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return nnx.make_causal_mask(jnp.ones((*batch, length)))
+    lengths = np.arange(np.prod(batch)).reshape(batch) % 3 + length - 4
+    keep = np.arange(length) < lengths[..., None]  # [*batch, L]
+    return nnx.make_attention_mask(np.ones((*batch, length), bool), keep)
+
+
+@pytest.mark.parametrize(("batch", "mask_kind"), [((2,), "none"), ((2,), "padding"),
+                                                 ((2, 3), "causal"), ((2, 3), "padding")])
+def test_attention_fn_in_nnx_multihead_attention(batch, mask_kind):
+    length = 16
+    x = _tokens((*batch, length))
+    mask = _mask(mask_kind, batch, length)
+
+    def mha(**kw) -> nnx.MultiHeadAttention:
+        return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                      rngs=nnx.Rngs(0), **kw)
+
+    ref = mha()(x, mask=mask)
+    got = mha(attention_fn=dma_flax.attention_fn)(x, mask=mask)
+    assert_close("out", got, ref, TOL_FP32)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal"])
+def test_attention_fn_in_linen_multihead_attention(mask_kind):
+    batch, length = (2,), 16
+    x = _tokens((*batch, length))
+    mask = _mask(mask_kind, batch, length)
+    ref_layer = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES)
+    our_layer = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEATURES,
+                                                   attention_fn=dma_flax.attention_fn)
+    variables = ref_layer.init(jax.random.PRNGKey(0), x, mask=mask)
+    ref = ref_layer.apply(variables, x, mask=mask)
+    got = jax.jit(our_layer.apply)(variables, x, mask=mask)
+    assert_close("out", got, ref, TOL_FP32)
+
+
+@pytest.mark.parametrize(("batch", "is_causal"), [((), False), ((3,), True), ((2, 3), False),
+                                                 ((2, 3), True)])
+def test_attention_fn_direct_with_bias_and_mask(batch, is_causal):
+    """Same as ``nnx.dot_product_attention`` with a full bias, a broadcast mask and GQA."""
+    lq, lk, heads, kv_heads, dim = 12, 12, 4, 2, 8
+    q = normal((*batch, lq, heads, dim), 1)
+    k = normal((*batch, lk, kv_heads, dim), 2)
+    v = normal((*batch, lk, kv_heads, dim), 3)
+    bias = normal((*batch, heads, lq, lk), 4)
+    mask = np.random.default_rng(5).random((1, lq, lk)) < 0.7
+    mask[..., 0] = True  # every row sees a key (Flax averages empty rows)
+    ref = nnx.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal)
+    got = dma_flax.attention_fn(q, k, v, bias, mask, is_causal=is_causal)
+    assert got.shape == ref.shape
+    assert_close("out", got, ref, TOL_FP32)
+
+
+def test_attention_fn_rejects_dropout_and_sown_weights():
+    x = _tokens((2, 8))
+    layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                   dropout_rate=0.1, rngs=nnx.Rngs(0),
+                                   attention_fn=dma_flax.attention_fn)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        layer(x, deterministic=False)
+    assert layer(x, deterministic=True).shape == x.shape  # no dropout: fine
+    layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                   rngs=nnx.Rngs(0), attention_fn=dma_flax.attention_fn)
+    with pytest.raises(NotImplementedError, match="sow"):
+        layer(x, sow_weights=True)
+
+
+# ---- the Dynamic Mask Attention layers ---------------------------------------------------------
+
+HIDDEN, H, HK, D = 32, 4, 2, 8
+B, L = 2, 24
+PARAM_NAMES = ("q_proj", "k_proj", "v_proj", "dt_proj", "o_proj")
+
+
+def brute_force_topk_mask(score: jax.Array, window: int) -> jax.Array:
+    """Causal top-`window` mask ``[..., L, L]`` of per-key scores ``[..., L]`` (ties to the lower
+    index), by ranking every key of every row: key ``j`` is kept in row ``i`` iff ``j <= i`` and
+    fewer than `window` visible keys beat it."""
+    n = score.shape[-1]
+    idx = jnp.arange(n)
+    visible = idx[None, :] <= idx[:, None]  # [i, j]
+    sa, sb = score[..., :, None], score[..., None, :]  # key a beats key b
+    beats = (sa > sb) | ((sa == sb) & (idx[:, None] < idx[None, :]))
+    rank = jnp.einsum("ia,...ab->...ib", visible.astype(jnp.int32), beats.astype(jnp.int32))
+    return visible & (rank < window)
+
+
+def rope_reference(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE as a complex rotation of the pairs ``(x[i], x[i + D/2])``; x ``[B, L, N, D]``."""
+    half = x.shape[-1] // 2
+    angles = positions[..., None] * theta ** (-jnp.arange(half) / half)  # [B|, L, D/2]
+    z = (x[..., :half] + 1j * x[..., half:]) * jnp.exp(1j * angles)[..., None, :]
+    return jnp.concatenate([z.real, z.imag], axis=-1)
+
+
+def reference_layer(p: dict, x: jax.Array, window: int, rope: bool) -> jax.Array:
+    """The layer in plain JAX: dense float64 softmax attention with the same bias and mask.
+    `p` holds the kernels ``[in, out]`` under PARAM_NAMES and ``A [Hk]``."""
+    x = x.astype(jnp.float64)
+    p = {n: jnp.asarray(a, jnp.float64) for n, a in p.items()}
+    b, n, _ = x.shape
+    q = (x @ p["q_proj"]).reshape(b, n, H, D)
+    k = (x @ p["k_proj"]).reshape(b, n, HK, D)
+    v = (x @ p["v_proj"]).reshape(b, n, HK, D)
+    score = p["A"] * jax.nn.softplus(v.reshape(b, n, HK * D) @ p["dt_proj"])  # [B, L, Hk]
+    score = jnp.swapaxes(score, 1, 2)  # [B, Hk, L]
+    if rope:
+        pos = jnp.arange(n, dtype=jnp.float64)
+        q, k = rope_reference(q, pos, 10000.0), rope_reference(k, pos, 10000.0)
+    group = H // HK
+    mask = jnp.repeat(brute_force_topk_mask(jax.lax.stop_gradient(score), window), group, 1)
+    logits = (jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, 2)) / np.sqrt(D)
+              + jnp.repeat(score, group, 1)[:, :, None, :])
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.repeat(v, group, 2)).reshape(b, n, H * D)
+    return out @ p["o_proj"]
+
+
+reference_output = reference_jit(reference_layer, static_argnames=("window", "rope"))
+
+
+def make_nnx_layer(window: int, rope: bool = True, seed: int = 0) -> dma_flax.DynamicMaskAttention:
+    layer = dma_flax.DynamicMaskAttention(HIDDEN, H, num_kv_heads=HK, head_dim=D, window=window,
+                                          rope=rope, rngs=nnx.Rngs(seed))
+    layer.A[...] = jnp.array([0.7, -1.3], jnp.float32)  # not the init: test the gain itself
+    return layer
+
+
+def nnx_params(layer: dma_flax.DynamicMaskAttention) -> dict[str, jax.Array]:
+    out = {n: getattr(layer, n).kernel[...] for n in PARAM_NAMES}
+    out["A"] = layer.A[...]
+    return out
+
+
+def layer_input(seed: int = 1, length: int = L) -> jax.Array:
+    return normal((B, length, HIDDEN), seed)
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("window", [5, L], ids=["window5", "windowL"])
+def test_nnx_layer_matches_plain_jax(window, rope):
+    layer, x = make_nnx_layer(window, rope), layer_input()
+    ref = reference_output(nnx_params(layer), x, window, rope)
+    got = nnx.jit(lambda m, x: m(x))(layer, x)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    assert_close("out", got, ref, TOL_FP32)
+
+
+def test_nnx_layer_gradients_match_plain_jax():
+    window = 7
+    layer, x = make_nnx_layer(window), layer_input()
+    w = normal(x.shape, 2)
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x) * w)
+
+    g_state, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+    got = nnx_params(nnx.merge(graphdef, g_state))
+    got["x"] = g_x
+
+    def ref_loss(p, x):
+        return jnp.sum(reference_layer(p, x, window, rope=True) * w)
+
+    ref_p, ref_x = reference_jit(jax.grad(ref_loss, argnums=(0, 1)))(
+        jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), nnx_params(layer)),
+        x.astype(jnp.float64))
+    ref = {**ref_p, "x": ref_x}
+    assert set(got) == set(ref)
+    for name in ref:
+        assert_close(f"d{name}", got[name], ref[name], 1e-4)
+    assert float(jnp.abs(got["A"]).min()) > 0  # the bias's own gradient reaches A
+
+
+def linen_variables(p: dict[str, jax.Array]) -> dict:
+    params = {n: {"kernel": p[n]} for n in PARAM_NAMES}
+    params["A"] = p["A"]
+    return {"params": params}
+
+
+def equinox_layer(p: dict[str, jax.Array], window: int) -> dma_eqx.DynamicMaskAttention:
+    layer = eqx.filter_eval_shape(  # shapes only: every array is replaced below
+        dma_eqx.DynamicMaskAttention, HIDDEN, H, num_kv_heads=HK, head_dim=D, window=window,
+        dtype=jnp.float32, key=jax.random.PRNGKey(9))
+    return eqx.tree_at(lambda m: [getattr(m, n).weight for n in PARAM_NAMES] + [m.A], layer,
+                       [p[n].T for n in PARAM_NAMES] + [p["A"]])
+
+
+def nnx_output_and_grads(layer: dma_flax.DynamicMaskAttention, x: jax.Array):
+    """The NNX layer's output and the gradients of ``sum(out²)`` w.r.t. its parameters."""
+    graphdef, state = nnx.split(layer)
+
+    def loss(state):
+        out = nnx.merge(graphdef, state)(x)
+        return jnp.sum(out**2), out
+
+    grads, out = jax.jit(jax.grad(loss, has_aux=True))(state)
+    return out, nnx_params(nnx.merge(graphdef, grads))
+
+
+def test_linen_twin_matches_nnx():
+    window = 6
+    layer, x = make_nnx_layer(window), layer_input()
+    p = nnx_params(layer)
+    want, want_grads = nnx_output_and_grads(layer, x)
+    linen_layer = dma_flax.DynamicMaskAttentionLinen(HIDDEN, H, window, num_kv_heads=HK,
+                                                     head_dim=D)
+    init = jax.eval_shape(linen_layer.init, jax.random.PRNGKey(0), x)
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, linen_variables(p))
+
+    def loss(variables):
+        out = linen_layer.apply(variables, x)
+        return jnp.sum(out**2), out
+
+    grads, got = jax.jit(jax.grad(loss, has_aux=True))(linen_variables(p))
+    assert_close("linen", got, want, TOL_FP32)
+    for n in PARAM_NAMES:
+        assert_close(f"linen d{n}", grads["params"][n]["kernel"], want_grads[n], TOL_FP32)
+    assert_close("linen dA", grads["params"]["A"], want_grads["A"], TOL_FP32)
+
+
+def test_equinox_twin_matches_nnx():
+    window = 6
+    layer, x = make_nnx_layer(window), layer_input()
+    want, want_grads = nnx_output_and_grads(layer, x)
+    eqx_layer = equinox_layer(nnx_params(layer), window)
+
+    @eqx.filter_jit
+    def run(m):
+        def loss(m):
+            out = m(x)
+            return jnp.sum(out**2), out
+
+        grads, out = eqx.filter_grad(loss, has_aux=True)(m)
+        return out, grads, jax.vmap(m)(x)  # also one sequence at a time, under vmap
+
+    got, grads, got_vmap = run(eqx_layer)
+    assert_close("equinox", got, want, TOL_FP32)
+    assert_close("equinox vmap", got_vmap, want, TOL_FP32)
+    for n in PARAM_NAMES:
+        assert_close(f"equinox d{n}", getattr(grads, n).weight.T, want_grads[n], TOL_FP32)
+    assert_close("equinox dA", grads.A, want_grads["A"], TOL_FP32)
+
+
+def test_explicit_positions_shift_invariance():
+    """RoPE is relative: shifting every position leaves the output unchanged; [B, L] and [L]
+    positions agree. (Also the eager, un-jitted path.)"""
+    layer, x = make_nnx_layer(5), layer_input()
+    base = layer(x)
+    shifted = layer(x, positions=jnp.arange(L, dtype=jnp.int32) + 37)
+    per_batch = layer(x, positions=jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+    assert rel_error(shifted, base) < 1e-5
+    assert rel_error(per_batch, base) < 1e-6
+
+
+@pytest.mark.parametrize("window", [5, 64], ids=["window5", "window64"])
+def test_kv_cache_decoding_matches_full_sequence(window):
+    """A prefill chunk, then single tokens: each call's rows equal the full-sequence rows."""
+    layer, x = make_nnx_layer(window), layer_input(length=L)
+    full = layer(x)
+    layer.init_cache(B, L + 3)  # spare slots stay unfilled and hidden
+    step = nnx.jit(lambda m, x: m(x))
+    prefill = 9
+    outs = [step(layer, x[:, :prefill])]
+    outs += [step(layer, x[:, i:i + 1]) for i in range(prefill, L)]
+    assert int(layer.cache_index[...]) == L
+    decoded = jnp.concatenate(outs, axis=1)
+    for i in (0, prefill - 1, prefill, L - 1):
+        assert_close(f"row {i}", decoded[:, i], full[:, i], TOL_FP32)
+    assert_close("all rows", decoded, full, TOL_FP32)
+
+
+def test_bad_configurations_raise():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        dma_flax.DynamicMaskAttention(32, 4, num_kv_heads=3, window=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="window"):
+        dma_eqx.DynamicMaskAttention(32, 4, window=0, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="even head_dim"):
+        dma_flax.DynamicMaskAttention(32, 4, head_dim=7, window=4, rngs=nnx.Rngs(0))
