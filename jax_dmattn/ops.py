@@ -174,7 +174,7 @@ def _lowering(platform: str, kernel_fn, reference_fn):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args, )
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     return rule
 
