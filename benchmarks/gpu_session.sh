@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build jax_dmattn with its CUDA kernels (timed), run the `gpu` tests,
 # then the benchmark suites. Every step has its own time limit and its log under $OUT.
-#   OUT=/tmp/out DIMS="64;128" TEST_S=300 SUITES="dynamic density" benchmarks/gpu_session.sh
+#   OUT=/tmp/out DIMS="64;128" TEST_S=300 WORKERS=1 SUITES="dynamic density" benchmarks/gpu_session.sh
+# WORKERS > 1 spreads the tests over pytest-xdist processes sharing the GPU (each without JAX's
+# memory preallocation); the full gpu suite takes more than 5 minutes in one process.
 set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$repo/build/gpu_session}
@@ -20,7 +22,10 @@ echo "build (sm_90, head dims $DIMS, bf16+fp16, $CMAKE_BUILD_PARALLEL_LEVEL jobs
 
 # Run from outside the repository so that the installed package, not the source tree, is imported.
 cd /tmp && export PYTHONPATH=/tmp/site
-timeout -k 10 "${TEST_S:-300}" python3 -P -m pytest -m gpu -v -p no:cacheprovider "$repo/tests" \
+workers=()
+[ "${WORKERS:-1}" -gt 1 ] && workers=(-n "$WORKERS") && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+timeout -k 10 "${TEST_S:-300}" python3 -P -m pytest -m gpu -v -p no:cacheprovider "${workers[@]}" \
+  "$repo/tests" \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests (rc=$?): $(tail -1 "$OUT/gpu_tests.log")" | tee -a "$OUT/summary.txt"
 
