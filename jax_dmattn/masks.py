@@ -28,6 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_dmattn import reference
+from jax_dmattn.params import AttentionParams
+from jax_dmattn.validation import as_array
+
 __all__ = [
     "block_mask",
     "causal_mask",
@@ -54,15 +58,8 @@ def _check_int(value, name: str, minimum: int) -> int:
     return int(value)
 
 
-def _as_array(x, name: str) -> jax.Array:
-    try:
-        return jnp.asarray(x)
-    except TypeError as e:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
-
-
 def _check_scores(scores) -> jax.Array:
-    s = _as_array(scores, "scores")
+    s = as_array(scores, "scores")
     if not (jnp.issubdtype(s.dtype, jnp.floating) or jnp.issubdtype(s.dtype, jnp.integer)):
         raise TypeError(f"scores must be a floating (or integer) array, got dtype {s.dtype.name}")
     if s.ndim < 1:
@@ -76,7 +73,7 @@ def _check_valid(valid, shape: tuple[int, ...]) -> jax.Array | None:
     """None, or a bool array that broadcasts to `shape` without enlarging it."""
     if valid is None:
         return None
-    v = _as_array(valid, "valid")
+    v = as_array(valid, "valid")
     if v.dtype != jnp.bool_:
         raise TypeError(f"valid must be a bool array (True = may be selected), got dtype "
                         f"{v.dtype.name}")
@@ -92,7 +89,7 @@ def _check_valid(valid, shape: tuple[int, ...]) -> jax.Array | None:
 def _check_lengths(lengths, name: str) -> jax.Array | None:
     if lengths is None:
         return None
-    x = _as_array(lengths, name)
+    x = as_array(lengths, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array [B], got dtype {x.dtype.name}")
     if x.ndim != 1:
@@ -398,22 +395,20 @@ def _topk_key_ranges(s: jax.Array, v: jax.Array | None, *, window: int,
 # ---- static masks -----------------------------------------------------------------------------
 
 
-def _offsets(seqlen_q: int, seqlen_k: int, bottom_right: bool):
+def _diagonal_offset(seqlen_q: int, seqlen_k: int, bottom_right: bool) -> tuple[int, int, int]:
+    """Checked ``(Lq, Lk, offset)`` with the diagonal at key ``i + offset`` for query ``i``."""
     lq = _check_int(seqlen_q, "seqlen_q", 1)
     lk = _check_int(seqlen_k, "seqlen_k", 1)
     if not isinstance(bottom_right, (bool, np.bool_)):
         raise TypeError(f"bottom_right must be a Python bool, got {type(bottom_right).__name__}")
-    rows = lax.broadcasted_iota(jnp.int32, (1, 1, lq, lk), 2)
-    cols = lax.broadcasted_iota(jnp.int32, (1, 1, lq, lk), 3)
-    return rows + (lk - lq if bottom_right else 0), cols
+    return lq, lk, (lk - lq if bottom_right else 0)
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, *, bottom_right: bool = True) -> jax.Array:
     """bool ``[1, 1, Lq, Lk]``: key ``j`` visible to query ``i`` iff ``j <= i + (Lk - Lq)``
     (bottom-right aligned, flash_dmattn's ``is_causal``) or ``j <= i`` with
     ``bottom_right=False`` (top-left, ``jax.nn.dot_product_attention``'s)."""
-    diag, cols = _offsets(seqlen_q, seqlen_k, bottom_right)
-    return cols <= diag
+    return window_mask(seqlen_q, seqlen_k, None, 0, bottom_right=bottom_right)
 
 
 def window_mask(
@@ -430,13 +425,12 @@ def window_mask(
     ``d = i + (Lk - Lq)`` (``bottom_right``) or ``d = i``. `left`/`right`: ints ``>= 0``, or None
     for no bound on that side; ``(left, 0)`` is a causal sliding window of ``left + 1`` keys.
     """
-    diag, cols = _offsets(seqlen_q, seqlen_k, bottom_right)
-    keep = jnp.ones(cols.shape, jnp.bool_)
-    if left is not None:
-        keep = keep & (cols >= diag - _check_int(left, "left", 0))
-    if right is not None:
-        keep = keep & (cols <= diag + _check_int(right, "right", 0))
-    return keep
+    lq, lk, offset = _diagonal_offset(seqlen_q, seqlen_k, bottom_right)
+    params = AttentionParams(
+        scale=1.0, diagonal_offset=offset,
+        window_left=-1 if left is None else _check_int(left, "left", 0),
+        window_right=-1 if right is None else _check_int(right, "right", 0))
+    return reference.visibility(params, lq, lk)[None, None]
 
 
 def padding_mask(
@@ -486,7 +480,7 @@ def block_mask(
     bk = _check_int(block_k, "block_k", 1)
     lq = _check_int(seqlen_q, "seqlen_q", 1)
     lk = _check_int(seqlen_k, "seqlen_k", 1)
-    b = _as_array(block_keep, "block_keep")
+    b = as_array(block_keep, "block_keep")
     if b.dtype != jnp.bool_:
         raise TypeError(f"block_keep must be bool, got dtype {b.dtype.name}")
     expected = (-(-lq // bq), -(-lk // bk))

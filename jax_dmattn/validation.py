@@ -34,7 +34,8 @@ class Dims(NamedTuple):
     head_dim: int
 
 
-def _as_array(x, name: str) -> jax.Array:
+def as_array(x, name: str) -> jax.Array:
+    """`x` as a JAX array; a TypeError naming `name` when it is not array-like."""
     try:
         return jnp.asarray(x)
     except TypeError as e:
@@ -53,7 +54,7 @@ def check_implementation(implementation: str | None) -> None:
 
 def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array, ...]:
     """q ``[B, Lq, H, D]``, k and v ``[B, Lk, Hk, D]`` of one supported floating dtype."""
-    q, k, v = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    q, k, v = (as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     for x, name, layout in ((q, "query", "[B, Lq, H, D]"), (k, "key", "[B, Lk, Hk, D]"),
                             (v, "value", "[B, Lk, Hk, D]")):
         if x.ndim != 4:
@@ -91,7 +92,7 @@ def dims_of(q: jax.Array, k: jax.Array) -> Dims:
 
 def check_broadcast_operand(x, name: str, dims: Dims) -> jax.Array:
     """A mask or bias: 4-D ``[B|1, H|Hk|1, Lq|1, Lk|1]``."""
-    x = _as_array(x, name)
+    x = as_array(x, name)
     accepted = (f"[{dims.batch}|1, {dims.heads}|{dims.kv_heads}|1, {dims.seqlen_q}|1, "
                 f"{dims.seqlen_k}|1]")
     ok = (x.ndim == 4 and x.shape[0] in (1, dims.batch)
@@ -141,7 +142,7 @@ def check_softcap(softcap) -> float:
 def check_seq_lengths(lengths, name: str, batch: int) -> jax.Array | None:
     if lengths is None:
         return None
-    lengths = _as_array(lengths, name)
+    lengths = as_array(lengths, name)
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(
             f"{name} must be int32 of shape ({batch},), got {lengths.dtype.name} {lengths.shape}")
