@@ -107,8 +107,11 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
+    workspaces = None
+    if platform == "cuda" and opts.has_mask:
+        workspaces = _cuda_mask_map_workspace(mask_index=3)
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
-                 params.ffi_attributes(**opts._asdict()))
+                 params.ffi_attributes(**opts._asdict()), workspaces)
 
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
@@ -123,21 +126,37 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     extra = None
     if platform == "cuda":
         workspaces.append((q.shape, np.float32))  # dq accumulator
-        if opts.has_bias:
-            extra = _cuda_dbias_workspace(opts, num_grads=len(grads))
+        extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
                  q.ndim - 3, params.ffi_attributes(**opts._asdict()), extra)
     return outs[:len(grads)]
 
 
-def _cuda_dbias_workspace(opts, num_grads: int):
-    """The CUDA backward's fp32 dbias accumulator, sized by the kernel's own rule."""
+# CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
+# backward's slots are fixed (dq accumulator, mask block map, dbias accumulator), so an unused
+# one still takes a single element.
+
+
+def _cuda_mask_map_workspace(mask_index: int):
+    def workspaces(arg_shapes, result_shapes):
+        q, k = arg_shapes[0], arg_shapes[1]
+        n = _extension().cuda_mask_map_bytes(q, k, arg_shapes[mask_index])
+        return [((max(n, 1),), np.uint8)]
+
+    return workspaces
+
+
+def _cuda_backward_workspaces(opts, num_grads: int):
+    mask_map = _cuda_mask_map_workspace(mask_index=7)
 
     def workspaces(arg_shapes, result_shapes):
-        bias_shape = arg_shapes[7 + int(opts.has_mask)]
-        q, k = arg_shapes[0], arg_shapes[1]
-        dk, dbias = result_shapes[1], result_shapes[num_grads - 1]
-        n = _extension().cuda_dbias_workspace_elements(q, k, dk, bias_shape, dbias)
-        return [((n,), np.float32)] if n else []
+        out = mask_map(arg_shapes, result_shapes) if opts.has_mask else [((1,), np.uint8)]
+        n = 0
+        if opts.has_bias:
+            bias_shape = arg_shapes[7 + int(opts.has_mask)]
+            q, k = arg_shapes[0], arg_shapes[1]
+            dk, dbias = result_shapes[1], result_shapes[num_grads - 1]
+            n = _extension().cuda_dbias_workspace_elements(q, k, dk, bias_shape, dbias)
+        return [*out, ((max(n, 1),), np.float32)]
 
     return workspaces

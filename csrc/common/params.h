@@ -17,6 +17,8 @@ namespace dmattn {
 
 // vmap adds leading batch dims; the FFI layer accepts up to this many after merging neighbours.
 constexpr int kMaxBatchDims = 4;
+// Platform workspaces a call may carry after its results.
+constexpr int kMaxWorkspaces = 3;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -139,7 +141,7 @@ struct ForwardArgs {
   void* out = nullptr;
   float* lse = nullptr;
   // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
-  void* workspace[2] = {nullptr, nullptr};
+  void* workspace[kMaxWorkspaces] = {};
 };
 
 // Pointers of a backward call. dlse is the cotangent of lse (zeros unless lse was used).
@@ -160,7 +162,7 @@ struct BackwardArgs {
   void* dv = nullptr;
   void* dbias = nullptr;  // null when there is no bias
   float* softmax_d = nullptr;  // [*batch, H, Lq] workspace: rowsum(dout * out) - dlse
-  void* workspace[2] = {nullptr, nullptr};
+  void* workspace[kMaxWorkspaces] = {};
 };
 
 }  // namespace dmattn

@@ -7,7 +7,7 @@
 //                    every visible query block of each, so dK/dV accumulate in registers with no
 //                    cross-CTA reduction. Per query block (all-false mask tiles skipped):
 //                      load     Q, dO, lse, D, bias of the next block (two stages: during this
-//                               one; one stage: during phase C)
+//                               one; one stage: during phase C), its mask tile during this one
 //                      phase A  S^T = K Q^T + bias^T/scale -> mask -> P = exp(S - lse) -> smem,
 //                               dP^T = V dO^T -> dS = P (dP - D) -> smem (and dbias)
 //                      phase B  dV += P^T dO, dK += dS^T Q
@@ -22,6 +22,7 @@
 
 #include <cmath>
 
+#include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 
@@ -184,7 +185,6 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const bool has_bias = p.bias != nullptr;
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
-  const int mask_rows = mask_one_row ? 1 : BM;
   const int dbias_mode = p.dbias_mode;
   const BroadcastOperand& dop = p.dbias_op;
   const bool db_rowsum = dbias_mode != kDbiasNone && dop.row_stride == 0;
@@ -301,42 +301,34 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       cp_async_commit();
     };
-    // CTA-wide kTileAny / kTileAll flags of mask buffer `buf` (waits for its copies).
-    auto mask_flags = [&](int buf) {
-      cp_async_wait<0>();
-      if (!p.mask_vec) __syncthreads();  // vector path: each thread reads its own copies only
-      return tile_flags<BN, Tr::kMaskPitch, NT>(sMask + buf * Tr::kMaskTile, mask_rows, tid);
+    const MaskMapView map(p.mask_map, s, b, h);
+    auto next_block = [&](int m, int* flags) {
+      return next_query_block<BM, BN>(map, has_mask, n0, m, m_last, flags);
     };
 
-    // First active query block.
-    int m = m_first;
-    int cur = 0;           // mask buffer of block m
-    bool cur_all = false;  // ... and that tile is all true (no per-element test)
-    if (has_mask) {
-      while (m <= m_last) {
-        load_mask(m, cur);
-        cp_async_commit();
-        const int fl = mask_flags(cur);
-        cur_all = (fl & kTileAll) != 0;
-        if (fl & kTileAny) break;
-        ++m;
-      }
+    // First active query block; its mask tile (unless all true) loads with its other tiles.
+    int flags;     // of block m
+    int cur = 0;   // mask buffer of block m
+    int m = next_block(m_first, &flags);
+    if (m <= m_last) {
+      if (!(flags & kTileAll)) load_mask(m, cur);
+      load_step(m, stage);
     }
-    if (m <= m_last) load_step(m, stage);
 
     while (m <= m_last) {
       const int m0 = m * BM;
       cp_async_wait<0>();
       __syncthreads();  // block m's tiles (and K, V) visible; the other stage, P, dS free
 
-      // ---------------- prefetch: next block's tiles (two stages, no mask) or next mask --------
-      const bool more = m + 1 <= m_last;
-      if (more) {
-        if (has_mask) {
-          load_mask(m + 1, cur ^ 1);
+      // ---------------- prefetch: the next active block's mask (and, two stages, its tiles) ----
+      int next_flags;
+      const int next = next_block(m + 1, &next_flags);
+      if (next <= m_last) {
+        if (!(next_flags & kTileAll)) load_mask(next, cur ^ 1);
+        if constexpr (kStages == 2) {
+          load_step(next, stage ^ 1);
+        } else {
           cp_async_commit();
-        } else if constexpr (kStages == 2) {
-          load_step(m + 1, stage ^ 1);
         }
       }
       const uint32_t so = static_cast<uint32_t>(stage * Tr::kQBytes);  // stage byte offset
@@ -394,7 +386,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
           (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
           (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
       const uint8_t* sm = sMask + cur * Tr::kMaskTile;
-      const bool mask_apply = has_mask && !cur_all;
+      const bool mask_apply = !(flags & kTileAll);
       const bool capped = p.softcap > 0.f;
       if constexpr (Tr::kAliasBiasP) __syncthreads();  // bias tile (aliased by P) fully read
 #pragma unroll
@@ -544,29 +536,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
-      // ---------------- next active query block (its loads overlap phases B and C) -----------
-      int next = m + 1;
-      int next_flags = 0;
-      if (has_mask) {
-        if (more) {
-          next_flags = mask_flags(cur ^ 1);  // (its barriers also publish P and dS)
-          while (!(next_flags & kTileAny)) {
-            ++next;
-            if (next > m_last) break;
-            load_mask(next, cur ^ 1);
-            cp_async_commit();
-            next_flags = mask_flags(cur ^ 1);
-          }
-        } else {
-          next = m_last + 1;
-          __syncthreads();  // P, dS visible
-        }
-        if constexpr (kStages == 2) {
-          if (next <= m_last) load_step(next, stage ^ 1);
-        }
-      } else {
-        __syncthreads();  // P, dS visible
-      }
+      __syncthreads();  // P, dS visible
 
       // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q ------------------------------------
 #pragma unroll
@@ -661,10 +631,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
-      if (has_mask) {
-        cur ^= 1;
-        cur_all = (next_flags & kTileAll) != 0;
-      }
+      cur ^= 1;
+      flags = next_flags;
       if constexpr (kStages == 2) stage ^= 1;
       m = next;
     }

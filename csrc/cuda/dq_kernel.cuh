@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 
@@ -33,7 +34,7 @@ struct DqTraits {
   static constexpr int kOffBias = kOffV + BN * D * 2;
   static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
   static constexpr int kMaskTile = BM * kMaskPitch;
-  static constexpr int kSmem = kOffMask + 2 * kMaskTile;
+  static constexpr int kSmem = kOffMask + kMaskTile;
 };
 
 template <typename Tr, typename T>
@@ -82,7 +83,6 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   const bool has_bias = p.bias != nullptr;
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
-  const int mask_rows = mask_one_row ? 1 : BM;
   const uint8_t* mg = has_mask ? p.mask + s.mask.offset(s.batch, b, h) + m0 * s.mask.row_stride
                                : nullptr;
   const T* bg = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
@@ -105,11 +105,10 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     }
   }
 
-  auto load_mask = [&](int n, int buf) {
+  auto load_mask = [&](int n) {
     load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
-        sMask + buf * Tr::kMaskTile, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride,
-        s.mask.row_stride, s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec,
-        mask_one_row, tid);
+        sMask, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride, s.mask.row_stride,
+        s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec, mask_one_row, tid);
   };
   auto load_bias = [&](int n) {
     load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
@@ -140,22 +139,17 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     dsum[half] = d;
   }
 
-  int n = n_hi - 1;
-  int cur = 0;
-  if (has_mask) {
-    while (n >= n_lo) {
-      load_mask(n, cur);
-      cp_async_commit();
-      cp_async_wait<0>();
-      if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-      if (tile_any<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid)) break;
-      --n;
-    }
-  }
+  const MaskMapView map(p.mask_map, s, b, h);
+  auto next_block = [&](int n, int* flags) {
+    return next_key_block<BM, BN>(map, has_mask, m0, n, n_lo, flags);
+  };
+  int flags;  // of block n
+  int n = next_block(n_hi - 1, &flags);
   if (n >= n_lo) {
     load_kv(sK, kg, n);
     load_kv(sV, vg, n);
     if (has_bias) load_bias(n);
+    if (!(flags & kTileAll)) load_mask(n);
     cp_async_commit();
   }
 
@@ -173,15 +167,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
 
   while (n >= n_lo) {
     const int n0 = n * BN;
-    const bool cand = has_mask && (n - 1 >= n_lo);
-    if (cand) {
-      load_mask(n - 1, cur ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    cp_async_wait<0>();
+    __syncthreads();  // K, V, bias, mask of block n visible
 
     float sc[NTS][4], dp[NTS][4];
 #pragma unroll
@@ -223,7 +210,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
-    const uint8_t* sm = sMask + cur * Tr::kMaskTile;
+    const bool mask_apply = !(flags & kTileAll);
     const bool capped = p.softcap > 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -236,7 +223,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         for (int e = 0; e < 2; ++e) {
           const int c = t * 8 + 2 * tq + e;
           bool vis = true;
-          if (has_mask) vis = sm[rr * Tr::kMaskPitch + c] != 0;
+          if (mask_apply) vis = sMask[rr * Tr::kMaskPitch + c] != 0;
           if (need_bounds) {
             const int j = n0 + c;
             const int dd = j - i;
@@ -256,31 +243,13 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       }
     }
 
-    int next = n - 1;
-    if (has_mask) {
-      if (cand) {
-        cp_async_wait<0>();
-        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-        bool act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
-                                                    mask_rows, tid);
-        while (!act) {
-          --next;
-          if (next < n_lo) break;
-          load_mask(next, cur ^ 1);
-          cp_async_commit();
-          cp_async_wait<0>();
-          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-          act = tile_any<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile, mask_rows,
-                                                 tid);
-        }
-      } else {
-        next = n_lo - 1;
-      }
-    }
-    __syncthreads();  // V and bias free
+    int next_flags;
+    const int next = next_block(n - 1, &next_flags);
+    __syncthreads();  // V, bias and mask free
     if (next >= n_lo) {
       load_kv(sV, vg, next);
       if (has_bias) load_bias(next);
+      if (!(next_flags & kTileAll)) load_mask(next);
       cp_async_commit();
     }
 
@@ -305,7 +274,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       load_kv(sK, kg, next);
       cp_async_commit();
     }
-    if (has_mask) cur ^= 1;
+    flags = next_flags;
     n = next;
   }
 

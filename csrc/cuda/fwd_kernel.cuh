@@ -4,16 +4,16 @@
 //   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)
 //   softcap, then -inf where not visible (mask, lengths, diagonal window)
 //   online softmax in fp32 with exp2, O += P V
-// K/V/bias tiles stream through cp.async (K and bias of block n-1 load while P V of block n runs,
-// V of block n while Q K^T runs). With a mask, the mask tile of the next candidate block is
-// prefetched and OR-reduced over the CTA (__syncthreads_or) before its K/V/bias are requested:
-// an all-false tile costs neither loads nor GEMMs, and an all-true one (AND-reduced alongside)
-// skips the per-element mask test. The analytic bounds (lengths, causal/window) limit the
-// key-block range before any mask is read.
+// K/V/bias/mask tiles stream through cp.async (K, bias and mask of the next block load while
+// P V of this one runs, V while Q K^T runs). The analytic bounds (lengths, causal/window) limit
+// the key-block range; within it the mask block map names the next block with any true element
+// (all-false blocks cost no loads and no GEMMs), and all-true blocks skip the mask tile and the
+// per-element test.
 #pragma once
 
 #include <cmath>
 
+#include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 
@@ -39,7 +39,7 @@ struct FwdTraits {
   static constexpr int kOffBias = kOffV + BN * D * 2;
   static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
   static constexpr int kMaskTile = BM * kMaskPitch;
-  static constexpr int kSmem = kOffMask + 2 * kMaskTile;
+  static constexpr int kSmem = kOffMask + kMaskTile;
 };
 
 template <typename Tr, typename T>
@@ -108,11 +108,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
   }
 
-  auto load_mask = [&](int n, int buf) {
+  auto load_mask = [&](int n) {
     load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
-        sMask + buf * Tr::kMaskTile, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride,
-        s.mask.row_stride, s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec,
-        mask_one_row, tid);
+        sMask, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride, s.mask.row_stride,
+        s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec, mask_one_row, tid);
   };
   auto load_bias = [&](int n) {
     load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
@@ -123,33 +122,24 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
                                L.kv_len - n * BN, tid);
   };
-  const int mask_rows = mask_one_row ? 1 : BM;
+  // K, bias and (unless all true) mask of block n: one commit group.
+  auto load_block = [&](int n, int flags) {
+    load_kv(sK, kg, n);
+    if (has_bias) load_bias(n);
+    if (!(flags & kTileAll)) load_mask(n);
+    cp_async_commit();
+  };
+  const MaskMapView map(p.mask_map, s, b, h);
+  auto next_block = [&](int n, int* flags) {
+    return next_key_block<BM, BN>(map, has_mask, m0, n, n_lo, flags);
+  };
 
   // ---- prologue -------------------------------------------------------------------------
   load_tile_async<BM, D, NT>(sQ, qg, q_rs, valid_q, tid);
   cp_async_commit();
-
-  int n = n_hi - 1;
-  int cur = 0;           // mask buffer holding the mask of block n
-  bool cur_all = false;  // ... and that tile is all true (no per-element test)
-  if (has_mask) {
-    while (n >= n_lo) {
-      load_mask(n, cur);
-      cp_async_commit();
-      cp_async_wait<0>();
-      if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-      const int fl =
-          tile_flags<BN, Tr::kMaskPitch, NT>(sMask + cur * Tr::kMaskTile, mask_rows, tid);
-      cur_all = (fl & kTileAll) != 0;
-      if (fl & kTileAny) break;
-      --n;
-    }
-  }
-  if (n >= n_lo) {
-    load_kv(sK, kg, n);
-    if (has_bias) load_bias(n);
-    cp_async_commit();
-  }
+  int flags;  // of block n
+  int n = next_block(n_hi - 1, &flags);
+  if (n >= n_lo) load_block(n, flags);
 
   float o[MT][NTO][4];
 #pragma unroll
@@ -172,17 +162,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   // ---- main loop over visible, non-empty key blocks ----------------------------------------
   while (n >= n_lo) {
     const int n0 = n * BN;
-    const bool cand = has_mask && (n - 1 >= n_lo);
-    if (cand) {
-      load_mask(n - 1, cur ^ 1);
-      cp_async_commit();
-    }
-    if (cand) {
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // K(n), bias(n) (and Q) visible
+    cp_async_wait<0>();
+    __syncthreads();  // K, bias, mask of block n (and Q) visible
     load_kv(sV, vg, n);
     cp_async_commit();
 
@@ -240,9 +221,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
-    const bool mask_apply = has_mask && !cur_all;
+    const bool mask_apply = !(flags & kTileAll);
     if (mask_apply || need_bounds) {
-      const uint8_t* sm = sMask + cur * Tr::kMaskTile;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -256,7 +236,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
             bool v0 = true, v1 = true;
             if (mask_apply) {
               const uint16_t mm =
-                  *reinterpret_cast<const uint16_t*>(sm + rr * Tr::kMaskPitch + c);
+                  *reinterpret_cast<const uint16_t*>(sMask + rr * Tr::kMaskPitch + c);
               v0 = (mm & 0xff) != 0;
               v1 = (mm >> 8) != 0;
             }
@@ -275,36 +255,11 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       }
     }
 
-    // next active block
-    int next = n - 1;
-    int next_flags = 0;
-    if (has_mask) {
-      if (cand) {
-        cp_async_wait<1>();
-        if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-        next_flags = tile_flags<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
-                                                        mask_rows, tid);
-        while (!(next_flags & kTileAny)) {
-          --next;
-          if (next < n_lo) break;
-          load_mask(next, cur ^ 1);
-          cp_async_commit();
-          cp_async_wait<0>();
-          if (!p.mask_vec) __syncthreads();  // vector path: own copies only
-          next_flags = tile_flags<BN, Tr::kMaskPitch, NT>(sMask + (cur ^ 1) * Tr::kMaskTile,
-                                                          mask_rows, tid);
-        }
-      } else {
-        next = n_lo - 1;
-      }
-    }
+    int next_flags;
+    const int next = next_block(n - 1, &next_flags);
     cp_async_wait<0>();
-    __syncthreads();  // V(n) visible; K and bias buffers free
-    if (next >= n_lo) {
-      load_kv(sK, kg, next);
-      if (has_bias) load_bias(next);
-      cp_async_commit();
-    }
+    __syncthreads();  // V(n) visible; K, bias and mask buffers free
+    if (next >= n_lo) load_block(next, next_flags);
 
     // online softmax
 #pragma unroll
@@ -364,10 +319,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       }
     }
 
-    if (has_mask) {
-      cur ^= 1;
-      cur_all = (next_flags & kTileAll) != 0;
-    }
+    flags = next_flags;
     n = next;
   }
 

@@ -10,12 +10,24 @@
 
 namespace dmattn::cuda {
 
+// Flags of the mask per 64 x 64 cell (kTileAny | kTileAll), built in one pass before the attention
+// kernels (block_map.cu) so that they find their next non-empty tile, and skip the element test of
+// all-true tiles, from a few bytes. One mask entry (the [Lq|1, Lk|1] slice of a batch/head entry)
+// has rows x cols cells, row-major; a dim the mask broadcasts over has one cell.
+struct MaskBlockMap {
+  uint8_t* cells = nullptr;
+  int64_t entry_elems = 1;  // mask elements per entry
+  int rows = 0;
+  int cols = 0;
+};
+
 struct FwdParams {
   AttentionShape s;
   const void* q;
   const void* k;
   const void* v;
   const uint8_t* mask;  // null when absent
+  MaskBlockMap mask_map;
   const void* bias;     // null when absent
   const int32_t* q_lens;
   const int32_t* kv_lens;
@@ -50,6 +62,7 @@ struct BwdParams {
   const float* lse;
   const float* softmax_d;  // rowsum(dout*out) - dlse, [*batch, H, Lq]
   const uint8_t* mask;
+  MaskBlockMap mask_map;
   const void* bias;
   const int32_t* q_lens;
   const int32_t* kv_lens;

@@ -288,47 +288,12 @@ __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_
   }
 }
 
-// CTA-wide OR alone (see tile_flags below for the contract).
-template <int COLS, int SROW, int NT>
-__device__ __forceinline__ bool tile_any(const uint8_t* smem, int rows, int tid) {
-  constexpr int kChunksPerRow = COLS / 16;
-  uint32_t acc = 0;
-  const int chunks = rows * kChunksPerRow;
-  for (int id = tid; id < chunks; id += NT) {
-    const int r = id / kChunksPerRow;
-    const int c = (id % kChunksPerRow) * 16;
-    const uint4 v = *reinterpret_cast<const uint4*>(smem + r * SROW + c);
-    acc |= v.x | v.y | v.z | v.w;
-  }
-  return __syncthreads_or(acc != 0) != 0;
-}
-
-// CTA-wide OR and AND over a byte tile ([rows][COLS] with pitch SROW, a multiple of 16):
-// bit kTileAny of the result is set when some element is nonzero, bit kTileAll when every
-// element is (the mask then needs no per-element test). Contains barriers (every thread of the
-// CTA must call it). Each thread reads exactly the 16-byte chunks that load_operand_tile's
-// vector path gave it to copy, so after that path a thread's own cp.async.wait suffices and no
-// barrier is needed before this call (the scalar path needs one).
+// Mask tile flags: some element true (kTileAny), every element true (kTileAll: no per-element
+// test needed). Built per 64 x 64 cell by block_map.cu, read through block_map.cuh.
 constexpr int kTileAny = 1, kTileAll = 2;
+// True when no byte of x is zero.
 __device__ __forceinline__ bool no_zero_byte(uint32_t x) {
   return ((x - 0x01010101u) & ~x & 0x80808080u) == 0;
-}
-template <int COLS, int SROW, int NT>
-__device__ __forceinline__ int tile_flags(const uint8_t* smem, int rows, int tid) {
-  constexpr int kChunksPerRow = COLS / 16;
-  uint32_t acc = 0;
-  bool all = true;
-  const int chunks = rows * kChunksPerRow;
-  for (int id = tid; id < chunks; id += NT) {
-    const int r = id / kChunksPerRow;
-    const int c = (id % kChunksPerRow) * 16;
-    const uint4 v = *reinterpret_cast<const uint4*>(smem + r * SROW + c);
-    acc |= v.x | v.y | v.z | v.w;
-    all = all && no_zero_byte(v.x) && no_zero_byte(v.y) && no_zero_byte(v.z) && no_zero_byte(v.w);
-  }
-  const bool any_cta = __syncthreads_or(acc != 0) != 0;
-  const bool all_cta = __syncthreads_and(all) != 0;
-  return (any_cta ? kTileAny : 0) | (all_cta ? kTileAll : 0);
 }
 
 // ------------------------------------------------------------------------------------------

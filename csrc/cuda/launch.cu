@@ -175,6 +175,11 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.bias_vec = VectorOk(shape, shape.bias, p.bias, 2);
   if (!p.mask) p.s.mask.present = false;
   if (!p.bias) p.s.bias.present = false;
+  if (cudaError_t e =
+          BuildMaskBlockMap(p.s, p.mask, p.mask_vec, args.workspace[0], stream, &p.mask_map);
+      e != cudaSuccess) {
+    return e;
+  }
 
   switch (shape.head_dim) {
 #if defined(DMATTN_ENABLE_HDIM32)
@@ -234,6 +239,11 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   if (!p.bias) p.s.bias.present = false;
   p.compute_dq = !shape.deterministic;
   if (p.compute_dq && p.dq_accum == nullptr) return cudaErrorInvalidValue;
+  if (cudaError_t e =
+          BuildMaskBlockMap(p.s, p.mask, p.mask_vec, args.workspace[1], stream, &p.mask_map);
+      e != cudaSuccess) {
+    return e;
+  }
 
   const Members mem = KvMembers(shape);
   p.dkv_batch = shape.dkv_batch;
@@ -247,7 +257,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     l.dbias_elems = p.dbias_op.num_elements;
     if (DbiasNeedsWorkspace(shape)) {
       p.dbias_mode = kDbiasAtomic;
-      p.dbias_accum = static_cast<float*>(args.workspace[1]);
+      p.dbias_accum = static_cast<float*>(args.workspace[2]);
       if (p.dbias_accum == nullptr) return cudaErrorInvalidValue;
     } else {
       p.dbias_mode = kDbiasDirect;

@@ -37,8 +37,8 @@ class Cursor {
   }
   bool done() const { return next_ == buffers_.size(); }
   // The remaining results are platform workspaces.
-  ffi::Error Workspaces(void* (&out)[2]) {
-    if (buffers_.size() - next_ > 2) return Invalid("too many workspace results");
+  ffi::Error Workspaces(void* (&out)[kMaxWorkspaces]) {
+    if (buffers_.size() - next_ > kMaxWorkspaces) return Invalid("too many workspace results");
     for (int i = 0; next_ < buffers_.size(); ++i) out[i] = buffers_[next_++].untyped_data();
     return ffi::Error::Success();
   }

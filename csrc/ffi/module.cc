@@ -4,8 +4,10 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <deque>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ffi/decode.h"
@@ -57,37 +59,64 @@ nb::dict BuildInfo() {
 }
 
 #if defined(DMATTN_WITH_CUDA)
-// fp32 elements of the CUDA backward's dbias accumulator (workspace 1) for a call with these
-// shapes; 0 when none is needed. Decodes shape-only buffers with the handlers' own decoding, so
-// the trace-time size and the kernel's rule cannot disagree.
+// Shape-only buffers (no data) so that trace-time workspace sizes come from the handlers' own
+// decoding: the size Python asks for and the kernels' rule cannot disagree.
+class ShapeOnlyBuffers {
+ public:
+  xla::ffi::AnyBuffer Add(std::vector<int64_t> dims, XLA_FFI_DataType type) {
+    dims_.push_back(std::move(dims));
+    buffers_.push_back(XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, type, nullptr,
+                                      static_cast<int64_t>(dims_.back().size()),
+                                      dims_.back().data()});
+    return xla::ffi::AnyBuffer(&buffers_.back());
+  }
+  // [*batch, H, Lq] for q [*batch, Lq, H, D].
+  xla::ffi::AnyBuffer AddLse(const std::vector<int64_t>& q) {
+    std::vector<int64_t> lse(q.begin(), q.end() - 3);
+    lse.push_back(q[q.size() - 2]);
+    lse.push_back(q[q.size() - 3]);
+    return Add(std::move(lse), XLA_FFI_DataType_F32);
+  }
+
+ private:
+  std::deque<std::vector<int64_t>> dims_;  // deques: stable addresses
+  std::deque<XLA_FFI_Buffer> buffers_;
+};
+
+void ThrowOnError(const xla::ffi::Error& e) {
+  if (e.failure()) throw std::invalid_argument(e.message());
+}
+
+// fp32 elements of the CUDA backward's dbias accumulator (workspace 2) for a call with these
+// shapes; 0 when none is needed.
 int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
                                    std::vector<int64_t> dbias) {
-  std::vector<int64_t> lse(q.begin(), q.end() - 3);
-  lse.push_back(q[q.size() - 2]);
-  lse.push_back(q[q.size() - 3]);
-  auto buffer = [](std::vector<int64_t>& dims, XLA_FFI_DataType type) {
-    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, type, nullptr,
-                          static_cast<int64_t>(dims.size()), dims.data()};
-  };
-  const XLA_FFI_Buffer qb = buffer(q, XLA_FFI_DataType_BF16), kb = buffer(k, XLA_FFI_DataType_BF16),
-                       dkb = buffer(dk, XLA_FFI_DataType_BF16),
-                       lseb = buffer(lse, XLA_FFI_DataType_F32),
-                       biasb = buffer(bias, XLA_FFI_DataType_BF16),
-                       dbiasb = buffer(dbias, XLA_FFI_DataType_BF16);
-  using xla::ffi::AnyBuffer;
-  const dmattn::Buffers args = {AnyBuffer(&qb),   AnyBuffer(&kb),   AnyBuffer(&kb),
-                                AnyBuffer(&qb),   AnyBuffer(&qb),   AnyBuffer(&lseb),
-                                AnyBuffer(&lseb), AnyBuffer(&biasb)};
-  const dmattn::Buffers rets = {AnyBuffer(&qb), AnyBuffer(&dkb), AnyBuffer(&dkb),
-                                AnyBuffer(&dbiasb), AnyBuffer(&lseb)};
+  ShapeOnlyBuffers b;
+  const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16),
+             lseb = b.AddLse(q);
+  const dmattn::Buffers args = {qb, kb, kb, qb, qb, lseb, lseb, b.Add(bias, XLA_FFI_DataType_BF16)};
+  const auto dkb = b.Add(dk, XLA_FFI_DataType_BF16);
+  const dmattn::Buffers rets = {qb, dkb, dkb, b.Add(dbias, XLA_FFI_DataType_BF16), lseb};
   dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, true, false, false};
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
-  if (auto e = dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs); e.failure()) {
-    throw std::invalid_argument(e.message());
-  }
+  ThrowOnError(dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs));
   return dmattn::cuda::BackwardDbiasWorkspaceElements(shape);
+}
+
+// Bytes of the CUDA mask block map (forward workspace 0, backward workspace 1).
+int64_t CudaMaskMapBytes(std::vector<int64_t> q, std::vector<int64_t> k,
+                         std::vector<int64_t> mask) {
+  ShapeOnlyBuffers b;
+  const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
+  const dmattn::Buffers args = {qb, kb, kb, b.Add(mask, XLA_FFI_DataType_PRED)};
+  const dmattn::Buffers rets = {qb, b.AddLse(q)};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, true, false, false, false};
+  dmattn::AttentionShape shape;
+  dmattn::ForwardArgs ptrs;
+  ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
+  return dmattn::cuda::MaskBlockMapBytes(shape);
 }
 #endif
 
@@ -101,5 +130,7 @@ NB_MODULE(_dmattn, m) {
 #if defined(DMATTN_WITH_CUDA)
   m.def("cuda_dbias_workspace_elements", &CudaDbiasWorkspaceElements, "q"_a, "k"_a, "dk"_a,
         "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
+  m.def("cuda_mask_map_bytes", &CudaMaskMapBytes, "q"_a, "k"_a, "mask"_a,
+        "Bytes of the CUDA kernels' mask block map.");
 #endif
 }

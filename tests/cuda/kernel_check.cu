@@ -510,6 +510,8 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.kv_lens = in.kl;
   fa.out = f.out;
   fa.lse = f.lse;
+  const int64_t map_bytes = dmattn::cuda::MaskBlockMapBytes(s);
+  fa.workspace[0] = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
   CK(dmattn::cuda::Forward(s, fa, 0));
   CK(cudaDeviceSynchronize());
   if (ms) {
@@ -525,6 +527,7 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
+  if (fa.workspace[0]) CK(cudaFree(fa.workspace[0]));
   r->out = Download(static_cast<uint16_t*>(f.out), P.q_elems);
   r->lse = Download(f.lse, P.B * s.num_heads * s.seqlen_q);
   return f;
@@ -539,8 +542,10 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   void* dbias = s.bias.present ? Poisoned(P.dbias_elems * 2) : nullptr;
   float* sd = static_cast<float*>(Poisoned(P.B * s.num_heads * s.seqlen_q * 4));
   void* ws0 = Poisoned(P.q_elems * 4);
-  const int64_t ws1n = dmattn::cuda::BackwardDbiasWorkspaceElements(s);
-  void* ws1 = ws1n > 0 ? Poisoned(ws1n * 4) : nullptr;
+  const int64_t map_bytes = dmattn::cuda::MaskBlockMapBytes(s);
+  void* ws1 = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
+  const int64_t ws2n = dmattn::cuda::BackwardDbiasWorkspaceElements(s);
+  void* ws2 = ws2n > 0 ? Poisoned(ws2n * 4) : nullptr;
   BackwardArgs ba;
   ba.q = in.q;
   ba.k = in.k;
@@ -560,6 +565,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.softmax_d = sd;
   ba.workspace[0] = ws0;
   ba.workspace[1] = ws1;
+  ba.workspace[2] = ws2;
   CK(dmattn::cuda::Backward(s, ba, 0));
   CK(cudaDeviceSynchronize());
   if (ms) {
@@ -579,7 +585,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
   r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
   if (dbias) r->dbias = Download(static_cast<uint16_t*>(dbias), P.dbias_elems);
-  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1})
+  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1, ws2})
     if (p) CK(cudaFree(p));
 }
 

@@ -25,7 +25,7 @@ sync_out() {
   return 0
 }
 DEFS=""
-SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu"
+SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu csrc/cuda/block_map.cu"
 VARIANTS=""
 if [ "$TUNE" = 1 ]; then
   DEFS="$DEFS -DDMATTN_CUDA_TUNING=1"
