@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jax_dmattn import masks, reference
+from jax_dmattn import context_parallel, masks, reference
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
 from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams
 
@@ -30,6 +30,7 @@ __all__ = [
     "AttentionParams",
     "__version__",
     "available_implementations",
+    "context_parallel",
     "dot_product_attention",
     "flash_dmattn",
     "masks",

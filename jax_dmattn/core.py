@@ -30,7 +30,7 @@ def attention(
     """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands."""
     if params.implementation == "xla":
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
-    return _attention(params, *_vary_alike(q, k, v, mask, bias, q_lens, kv_lens))
+    return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens))
 
 
 def _varying_axes(x) -> frozenset:
@@ -40,7 +40,7 @@ def _varying_axes(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _vary_alike(*operands):
+def vary_alike(*operands):
     """Inside shard_map, makes every operand vary over the same manual axes, as the kernels'
     outputs do; the transpose of that cast then sums an invariant input's gradient (a replicated
     bias's dbias) over those axes, as it must."""

@@ -1,10 +1,18 @@
-"""Sharding rules: kernel calls stay local when inputs are sharded over batch and heads.
+"""Sharding rules: kernel calls stay local when inputs are sharded over batch and heads, and run
+as a ring (context parallelism) when the sequence is sharded.
 
 Each kernel call is a ``custom_partitioning`` function with a Shardy sharding rule. The partition
 callback keeps the batch dims and the head dim of q sharded as they come (k/v heads with them when
-the kv heads divide evenly, else replicated), replicates sequence and head-dim axes, and sums
-(``psum``) a gradient over the mesh axes its input was replicated over while q was sharded:
-dbias for a bias broadcast over batch or heads, dk/dv for kv heads shared by sharded query heads.
+the kv heads divide evenly, else replicated), replicates the head dim, and sums (``psum``) a
+gradient over the mesh axes its input was replicated over while q was sharded: dbias for a bias
+broadcast over batch, heads or query rows, dk/dv for kv heads shared by sharded query heads.
+
+A sharded query sequence keeps its sharding when the call can run as a ring
+(``context_parallel.ring_supported``: no window, no sequence lengths, causal only with
+``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence sharding, a
+mask or bias keeps its query rows sharded and its key columns replicated, and the lowering runs
+``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with the kernels as
+steps. Any other sequence sharding is replicated (gathered) as before.
 Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
 """
 
@@ -13,12 +21,13 @@ from __future__ import annotations
 import functools
 import string
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_dmattn import _ffi, ops
+from jax_dmattn import _ffi, context_parallel, ops
 
 # ---- the kernel calls ----------------------------------------------------------------------
 
@@ -39,6 +48,24 @@ def _grad_shapes(q, k, v, bias) -> list[tuple[int, ...]]:
     if bias is not None:
         shapes.append(ops.gradient_shape(bias.shape, q.shape, 1))
     return shapes
+
+
+def _kernel_steps(platform: str) -> context_parallel.StepFns:
+    """The ring's per-chunk steps: the platform's kernels, called directly (this is already the
+    per-device lowering)."""
+
+    def forward(params, q, k, v, mask, bias):
+        opts = ops.Optionals.of(mask, bias, None)
+        return _forward_impl(platform, params, opts, q, k, v,
+                             *(x for x in (mask, bias) if x is not None))
+
+    def backward(params, q, k, v, out, dout, lse, dlse, mask, bias):
+        opts = ops.Optionals.of(mask, bias, None)
+        grads = _backward_impl(platform, params, opts, q, k, v, out, dout, lse, dlse,
+                               *(x for x in (mask, bias) if x is not None))
+        return grads if bias is not None else (*grads, None)
+
+    return context_parallel.StepFns(forward, backward)
 
 
 # ---- layout of the operands ----------------------------------------------------------------
@@ -80,37 +107,58 @@ def _spec_of(info, ndim: int) -> tuple:
     return spec + (None,) * (ndim - len(spec))
 
 
-def _plan(mesh, layout: _Layout, q_spec: tuple):
-    """Mesh axes of q's batch dims and heads, and of the kv heads (None: replicated)."""
+Axes = str | tuple[str, ...] | None  # one PartitionSpec entry
+
+
+class _Plan(NamedTuple):
+    """Mesh axes of q's batch dims, of its heads, of the kv heads and of the sequence (the ring's
+    axes; None: replicated)."""
+
+    batch: list[Axes]
+    heads: Axes
+    kv_heads: Axes
+    seq: Axes
+
+
+def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
+    """What stays sharded of q's spec: batch dims; heads where they divide evenly; the sequence
+    where the call runs as a ring over it."""
     batch_axes = list(q_spec[:layout.num_batch])
     head_axes = q_spec[layout.num_batch + 1]
     n = _shard_count(mesh, head_axes)
     if layout.heads % n or (layout.kv_heads % n and layout.kv_heads != 1):
         head_axes, n = None, 1
     kv_head_axes = head_axes if n > 1 and layout.kv_heads % n == 0 else None
-    return batch_axes, head_axes, kv_head_axes
+    seq_axes = q_spec[layout.num_batch]
+    seq_shards = _shard_count(mesh, seq_axes)
+    if seq_shards == 1 or not context_parallel.ring_supported(
+            params, layout.opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards):
+        seq_axes = None
+    return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
 
 
-def _operand_spec(kind: str, shape, layout: _Layout, batch_axes, head_axes, kv_head_axes):
+def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
     """The PartitionSpec an operand of `kind` gets under the plan."""
     nb = layout.num_batch
-    batch = [a if shape[d] == layout.batch[d] else None for d, a in enumerate(batch_axes)]
+    batch = [a if shape[d] == layout.batch[d] else None for d, a in enumerate(plan.batch)]
     if kind == "q":
-        return PartitionSpec(*batch, None, head_axes, None)
+        return PartitionSpec(*batch, plan.seq, plan.heads, None)
     if kind == "kv":
-        return PartitionSpec(*batch, None, kv_head_axes, None)
+        return PartitionSpec(*batch, plan.seq, plan.kv_heads, None)
     if kind == "lse":
-        return PartitionSpec(*batch, head_axes, None)
+        return PartitionSpec(*batch, plan.heads, plan.seq)
     if kind == "lens":
         return PartitionSpec(*batch)
     heads = shape[nb]
     if heads == layout.heads:
-        axes = head_axes
+        axes = plan.heads
     elif heads == layout.kv_heads:
-        axes = kv_head_axes
+        axes = plan.kv_heads
     else:
         axes = None
-    return PartitionSpec(*batch, axes, None, None)
+    # A mask/bias keeps its query rows with q's; each ring step slices its key columns locally.
+    rows = plan.seq if shape[nb + 1] == layout.seqlen_q else None
+    return PartitionSpec(*batch, axes, rows, None)
 
 
 def _reduced_axes(spec: PartitionSpec, full_spec: PartitionSpec) -> tuple[str, ...]:
@@ -123,15 +171,15 @@ def _reduced_axes(spec: PartitionSpec, full_spec: PartitionSpec) -> tuple[str, .
 def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_infos):
     shapes = [info.shape for info in arg_infos]
     layout = _Layout(opts, shapes, backward)
-    q_spec = _spec_of(arg_infos[0], len(shapes[0]))
-    batch_axes, head_axes, kv_head_axes = _plan(mesh, layout, q_spec)
-    arg_specs = [_operand_spec(kind, shape, layout, batch_axes, head_axes, kv_head_axes)
+    plan = _plan(mesh, layout, params, _spec_of(arg_infos[0], len(shapes[0])))
+    arg_specs = [_operand_spec(kind, shape, layout, plan)
                  for kind, shape in zip(layout.kinds(), shapes, strict=True)]
     q_spec = arg_specs[0]
     if not backward:
-        lse_spec = _operand_spec("lse", shapes[0], layout, batch_axes, head_axes, None)
-        result_specs = [q_spec, lse_spec]
+        result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
         lower = functools.partial(_forward_impl, platform, params, opts)
+        if plan.seq is not None:
+            lower = functools.partial(_ring_forward, platform, params, opts, plan.seq)
     else:
         nb = layout.num_batch
         grad_specs = [q_spec, _gradient_spec(arg_specs[1], q_spec, nb),
@@ -141,15 +189,31 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
             grad_specs.append(_gradient_spec(bias_spec, q_spec, nb - 1))
         result_specs = grad_specs
         psum_axes = [_reduced_axes(spec, q_spec) for spec in grad_specs]
+        impl = functools.partial(_backward_impl, platform, params, opts)
+        if plan.seq is not None:
+            impl = functools.partial(_ring_backward, platform, params, opts, plan.seq)
 
         def lower(*operands):
-            grads = _backward_impl(platform, params, opts, *operands)
+            grads = impl(*operands)
             return tuple(jax.lax.psum(g, axes) if axes else g
                          for g, axes in zip(grads, psum_axes, strict=True))
 
     to_sharding = functools.partial(NamedSharding, mesh)
     return (mesh, lower, tuple(map(to_sharding, result_specs)),
             tuple(map(to_sharding, arg_specs)))
+
+
+def _ring_forward(platform, params, opts, axis_name, q, k, v, *extras):
+    mask, bias, _, _ = opts.split(extras)
+    return context_parallel.ring_forward(_kernel_steps(platform), params, q, k, v, mask, bias,
+                                         axis_name=axis_name)
+
+
+def _ring_backward(platform, params, opts, axis_name, q, k, v, out, dout, lse, dlse, *extras):
+    mask, bias, _, _ = opts.split(extras)
+    grads = context_parallel.ring_backward(_kernel_steps(platform), params, q, k, v, out, dout,
+                                           lse, dlse, mask, bias, axis_name=axis_name)
+    return grads[:3] if bias is None else grads
 
 
 def _gradient_spec(spec: PartitionSpec, q_spec: PartitionSpec, full_dims: int) -> PartitionSpec:
@@ -167,7 +231,9 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     layout = _Layout(opts, shapes, backward)
     names = iter(f"{a}{b}" for a in string.ascii_lowercase for b in string.ascii_lowercase)
     batch = [next(names) for _ in range(layout.num_batch)]
-    lq, lk, d = next(names), next(names), next(names)
+    # Mask/bias key columns get a factor of their own (kc): always replicated, while lk (k/v's
+    # sequence) may be sharded for the ring.
+    lq, lk, d, kc = next(names), next(names), next(names), next(names)
     # Shardy rejects size-1 factors inside a compound dim, so MQA names the query heads alone.
     group = layout.heads // layout.kv_heads
     if layout.kv_heads == 1:
@@ -197,7 +263,7 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
         row = lq if shape[nb + 1] == layout.seqlen_q else next(names)
-        col = lk if shape[nb + 2] == layout.seqlen_k else next(names)
+        col = kc if shape[nb + 2] == layout.seqlen_k else next(names)
         return [*bat, head, row, col]
 
     operands = [dims(kind, shape) for kind, shape in zip(layout.kinds(), shapes, strict=True)]
@@ -213,7 +279,12 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
             + ", ".join(" ".join(x) for x in results))
     # Shardy wants special factors in the order the rule first names them.
     tokens = rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
-    replicated = tuple(sorted((lq, lk, d), key=tokens.index))
+    # The sequences may stay sharded where the partition callback can run the call as a ring
+    # (it replicates them itself where the shard count does not divide them).
+    ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
+                                               layout.seqlen_k)
+    factors = (d, kc) if ringable else (lq, lk, d, kc)
+    replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
 
 
