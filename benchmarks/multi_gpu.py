@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_dmattn
 from jax_dmattn import masks
-from jax_dmattn.context_parallel import ring_attention, to_zigzag, zigzag_order
+from jax_dmattn.context_parallel import ring_attention, to_zigzag
 
 REPO = Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu"
@@ -58,6 +58,14 @@ def normal(seed: int, shape, dtype=DTYPE) -> jax.Array:
 def rel(x, ref) -> float:
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def compare_row(label: str, got, ref, tol: float) -> bool:
+    """One table row of relative L2 errors of `got` against `ref`; True when all are <= tol."""
+    errs = [rel(g, r) for g, r in zip(got, ref, strict=True)]
+    ok = max(errs) <= tol
+    say(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {ok} |")
+    return ok
 
 
 def median_ms(fn, *args, iters: int) -> float:
@@ -117,11 +125,7 @@ def part_equality(quick: bool) -> bool:
         put = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, mask_spec, bias_spec,
                                                 q_spec)]
         args = [jax.device_put(x, s) for x, s in zip((q, k, v, mask, bias, w), put, strict=True)]
-        got = [fwd(*args[:5]), *grads(*args)]
-        errs = [rel(g, r) for g, r in zip(got, ref, strict=True)]
-        ok = max(errs) <= tol
-        all_ok &= ok
-        say(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {ok} |")
+        all_ok &= compare_row(label, [fwd(*args[:5]), *grads(*args)], ref, tol)
 
     if batch % n == 0:  # the kernels called directly inside shard_map and pmap, batch split
         def by_batch(x):
@@ -135,10 +139,7 @@ def part_equality(quick: bool) -> bool:
         }
         for label, fn in mapped.items():
             got = [jax.jit(fn)(q, k, v, mask, bias), *loss_grads(fn)(q, k, v, mask, bias, w)]
-            errs = [rel(g, r) for g, r in zip(got, ref, strict=True)]
-            ok = max(errs) <= tol
-            all_ok &= ok
-            say(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {ok} |")
+            all_ok &= compare_row(label, got, ref, tol)
 
     # shard_map + ring_attention, zig-zag: inputs and mask in zig-zag order on both axes.
     def local(q, k, v, mask, bias):
@@ -155,11 +156,7 @@ def part_equality(quick: bool) -> bool:
             to_zigzag(ref[3], n), to_zigzag(ref[4], n, axis=3)]
     got = [jax.jit(ring)(zq, zk, zv, zmask, zbias), *loss_grads(ring)(zq, zk, zv, zmask, zbias,
                                                                        zw)]
-    errs = [rel(g, r) for g, r in zip(got, zref, strict=True)]
-    ok = max(errs) <= tol
-    all_ok &= ok
-    say("| sequence (shard_map ring_attention, zig-zag) | " + " | ".join(f"{e:.1e}" for e in errs)
-        + f" | {ok} |")
+    all_ok &= compare_row("sequence (shard_map ring_attention, zig-zag)", got, zref, tol)
     say()
     return all_ok
 
@@ -218,9 +215,7 @@ def part_cp(quick: bool, length: int, window: int, iters: int) -> None:
         return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    order = zigzag_order(n)  # chunk c of the zig-zag sequence is chunk order[c] of the original
-    chunk = length // (2 * n)
-    zig = (order[:, None] * chunk + np.arange(chunk)).reshape(-1)  # zig-zag position -> index
+    zig = np.asarray(to_zigzag(np.arange(length), n, axis=0))  # zig-zag position -> index
 
     def local(q, k, v, bias, w):
         # This device's query rows of the dynamic mask from the O(L) key ranges (computed in the
@@ -241,7 +236,6 @@ def part_cp(quick: bool, length: int, window: int, iters: int) -> None:
     ring = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq),
                                  out_specs=((seq, seq, seq, P()), seq)))
     zq, zk, zv, zw = (to_zigzag(x, n) for x in (q, k, v, w))
-    rows = []
     single = jax.jit(one_device)
     try:
         single_ms = median_ms(single, q, k, v, bias, w, iters=iters)
@@ -251,13 +245,11 @@ def part_cp(quick: bool, length: int, window: int, iters: int) -> None:
         say(f"one device: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
     ring_ms = median_ms(ring, zq, zk, zv, bias, zw, iters=iters)
     (_, ring_out) = ring(zq, zk, zv, bias, zw)
-    rows.append(("1 GPU" if ON_GPU else "1 device", single_ms, 1.0))
-    rows.append((f"{n} GPUs, ring (zig-zag)" if ON_GPU else f"{n} devices, ring", ring_ms,
-                 ring_ms / single_ms))
+    unit = "GPU" if ON_GPU else "device"
     say("| run | ms | time / 1 device |")
     say("|---|---|---|")
-    for label, ms, ratio in rows:
-        say(f"| {label} | {ms:.2f} | {ratio:.3f} |")
+    say(f"| 1 {unit} | {single_ms:.2f} | 1.000 |")
+    say(f"| {n} {unit}s, ring (zig-zag) | {ring_ms:.2f} | {ring_ms / single_ms:.3f} |")
     # A slice: the last `tail` query rows, attended on one device from the global K/V.
     tail = min(1024, length // 4)
     ring_tail = np.asarray(jax.jit(lambda o: jnp.take(o, np.argsort(zig)[-tail:], axis=1))(

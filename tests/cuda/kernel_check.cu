@@ -495,6 +495,23 @@ struct FwdOut {
   float* lse = nullptr;
 };
 
+// Mean milliseconds of `reps` back-to-back launches by `launch` (CUDA events on stream 0).
+template <typename Launch>
+float MeanMs(Launch launch, int reps) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < reps; ++i) launch();
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms / reps;
+}
+
 FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps) {
   const AttentionShape& s = P.s;
   FwdOut f;
@@ -514,19 +531,7 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.workspace[0] = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
   CK(dmattn::cuda::Forward(s, fa, 0));
   CK(cudaDeviceSynchronize());
-  if (ms) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; ++i) CK(dmattn::cuda::Forward(s, fa, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(ms, e0, e1));
-    *ms /= reps;
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-  }
+  if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Forward(s, fa, 0)); }, reps);
   if (fa.workspace[0]) CK(cudaFree(fa.workspace[0]));
   r->out = Download(static_cast<uint16_t*>(f.out), P.q_elems);
   r->lse = Download(f.lse, P.B * s.num_heads * s.seqlen_q);
@@ -568,19 +573,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.workspace[2] = ws2;
   CK(dmattn::cuda::Backward(s, ba, 0));
   CK(cudaDeviceSynchronize());
-  if (ms) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; ++i) CK(dmattn::cuda::Backward(s, ba, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(ms, e0, e1));
-    *ms /= reps;
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-  }
+  if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Backward(s, ba, 0)); }, reps);
   r->dq = Download(static_cast<uint16_t*>(dq), P.q_elems);
   r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
   r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
