@@ -107,9 +107,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
-    workspaces = None
-    if platform == "cuda" and opts.has_mask:
-        workspaces = _cuda_mask_map_workspace(mask_index=3)
+    workspaces = _cuda_forward_workspaces(opts) if platform == "cuda" else None
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  params.ffi_attributes(**opts._asdict()), workspaces)
 
@@ -133,8 +131,8 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
-# backward's slots are fixed (dq accumulator, mask block map, dbias accumulator), so an unused
-# one still takes a single element.
+# slots are fixed (forward: mask block map, split-KV partials; backward: dq accumulator, mask
+# block map, dbias accumulator), so an unused one still takes a single element.
 
 
 def _cuda_mask_map_workspace(mask_index: int):
@@ -144,6 +142,23 @@ def _cuda_mask_map_workspace(mask_index: int):
         return [((max(n, 1),), np.uint8)]
 
     return workspaces
+
+
+def _cuda_forward_workspaces(opts):
+    mask_map = _cuda_mask_map_workspace(mask_index=3)
+
+    def workspaces(arg_shapes, result_shapes):
+        out = mask_map(arg_shapes, result_shapes) if opts.has_mask else [((1,), np.uint8)]
+        n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1])
+        return [*out, ((max(n, 1),), np.uint8)]
+
+    return workspaces
+
+
+def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> int:
+    """Key splits the CUDA forward runs for q ``[B, Lq, H, D]`` and k ``[B, Lk, Hk, D]`` on the
+    current device (1: none)."""
+    return int(_extension().cuda_forward_splits(tuple(q_shape), tuple(k_shape)))
 
 
 def _cuda_backward_workspaces(opts, num_grads: int):

@@ -25,7 +25,7 @@ from conftest import (
 )
 from test_conformance import BROADCAST_CASES, DPA_CASES, SHAPE_CASES, SPECIAL_CASES
 
-from jax_dmattn import flash_dmattn
+from jax_dmattn import _ffi, flash_dmattn
 
 pytestmark = pytest.mark.gpu
 
@@ -60,6 +60,26 @@ def test_broadcast_patterns(case):
 
 @pytest.mark.parametrize("case", GPU_SPECIAL_CASES, ids=cases_ids(GPU_SPECIAL_CASES))
 def test_special(case):
+    check_case(case, IMPL)
+
+
+# Grids too small to fill the GPU (decoding): the forward splits the keys and merges the parts.
+SPLIT_CASES = [
+    Case(B=2, Lq=1, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", mask=("B", "1", "Lq", "Lk"),
+         mask_kind="blocks", bias=("1", "H", "1", "Lk")),
+    Case(B=1, Lq=200, Lk=3000, H=2, Hk=1, D=64, dtype="float16", causal=True, softcap=20.0,
+         bias=("1", "H", "Lq", "Lk")),
+    Case(B=3, Lq=5, Lk=2000, H=4, Hk=4, D=256, dtype="bfloat16", front_end="dpa", causal=True,
+         q_lens=(5, 3, 0), kv_lens=(2000, 700, 9), mask=("B", "1", "Lq", "Lk"),
+         mask_kind="rows"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=cases_ids(SPLIT_CASES))
+def test_split_kv(case):
+    splits = _ffi.cuda_forward_splits((case.B, case.Lq, case.H, case.D),
+                                      (case.B, case.Lk, case.Hk, case.D))
+    assert splits > 1, splits
     check_case(case, IMPL)
 
 

@@ -142,6 +142,7 @@ struct ForwardArgs {
   float* lse = nullptr;
   // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
   void* workspace[kMaxWorkspaces] = {};
+  int64_t workspace_bytes[kMaxWorkspaces] = {};
 };
 
 // Pointers of a backward call. dlse is the cotangent of lse (zeros unless lse was used).
@@ -163,6 +164,7 @@ struct BackwardArgs {
   void* dbias = nullptr;  // null when there is no bias
   float* softmax_d = nullptr;  // [*batch, H, Lq] workspace: rowsum(dout * out) - dlse
   void* workspace[kMaxWorkspaces] = {};
+  int64_t workspace_bytes[kMaxWorkspaces] = {};
 };
 
 }  // namespace dmattn

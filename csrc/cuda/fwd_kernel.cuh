@@ -1,4 +1,4 @@
-// Forward kernel: FlashAttention-2 style, one CTA per (query block, head, batch).
+// Forward kernel: FlashAttention-2 style, one CTA per (key split, query block, head, batch).
 //
 // Per key block n (walked from the last visible block down to the first):
 //   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)
@@ -8,7 +8,8 @@
 // P V of this one runs, V while Q K^T runs). The analytic bounds (lengths, causal/window) limit
 // the key-block range; within it the mask block map names the next block with any true element
 // (all-false blocks cost no loads and no GEMMs), and all-true blocks skip the mask tile and the
-// per-element test.
+// per-element test. With split-KV each CTA walks one slice of the key blocks and leaves a partial
+// result for fwd_combine.cuh.
 #pragma once
 
 #include <cmath>
@@ -65,8 +66,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
 
   const int H = static_cast<int>(s.num_heads);
   const int64_t bid = blockIdx.x;
-  const int m_block = p.m_blocks - 1 - static_cast<int>(bid % p.m_blocks);
-  const int64_t bh = bid / p.m_blocks;
+  const int split = static_cast<int>(bid % p.num_splits);
+  const int64_t tile = bid / p.num_splits;
+  const int m_block = p.m_blocks - 1 - static_cast<int>(tile % p.m_blocks);
+  const int64_t bh = tile / p.m_blocks;
   const int h = static_cast<int>(bh % H);
   const int64_t b = bh / H;
   const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
@@ -105,6 +108,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         n_lo = static_cast<int>(lo / BN);
         n_hi = static_cast<int>((hi + BN - 1) / BN);
       }
+    }
+    if (p.num_splits > 1) {
+      n_lo = max(n_lo, split * p.split_blocks);
+      n_hi = min(n_hi, (split + 1) * p.split_blocks);
     }
   }
 
@@ -326,24 +333,48 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   // ---- epilogue ---------------------------------------------------------------------------
   cp_async_wait<0>();
   __syncthreads();  // all reads of sQ done, no copy in flight
+  float inv_l[2 * MT], lse[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) {
+    float l = row_l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+    lse[r] = l > 0.f ? row_m[r] * p.lse_mul + logf(l) : -INFINITY;
+  }
+  if (p.num_splits > 1) {
+    const int64_t rows = (split * s.batch_count() * H + bh) * Lq + m0;
+    float* lse_part = p.lse_partial + rows;
+    float* o_part = p.o_partial + rows * D;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        const int rl = warp_row0 + mt * 16 + g + half * 8;
+        if (m0 + rl >= Lq) continue;
+        if (tq == 0) lse_part[rl] = lse[r];
+#pragma unroll
+        for (int t = 0; t < NTO; ++t) {
+          *reinterpret_cast<float2*>(o_part + rl * D + t * 8 + 2 * tq) =
+              make_float2(o[mt][t][2 * half] * inv_l[r], o[mt][t][2 * half + 1] * inv_l[r]);
+        }
+      }
+    }
+    return;
+  }
   float* lse_g = p.lse + s.lse_offset(b, h);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 2 * mt + half;
-      float l = row_l[r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
       const int rl = warp_row0 + mt * 16 + g + half * 8;
-      if (tq == 0 && m0 + rl < Lq) {
-        lse_g[m0 + rl] = l > 0.f ? row_m[r] * p.lse_mul + logf(l) : -INFINITY;
-      }
+      if (tq == 0 && m0 + rl < Lq) lse_g[m0 + rl] = lse[r];
 #pragma unroll
       for (int t = 0; t < NTO; ++t) {
         *reinterpret_cast<uint32_t*>(sQ + TileQ::off(rl, t * 8 + 2 * tq)) =
-            E::pack(o[mt][t][2 * half] * inv, o[mt][t][2 * half + 1] * inv);
+            E::pack(o[mt][t][2 * half] * inv_l[r], o[mt][t][2 * half + 1] * inv_l[r]);
       }
     }
   }

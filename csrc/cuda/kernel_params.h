@@ -35,6 +35,14 @@ struct FwdParams {
   float* lse;
 
   int m_blocks;
+  // Split-KV when num_splits > 1: split s of a query block covers key blocks [s * split_blocks,
+  // (s + 1) * split_blocks) and writes its normalised partial output and lse (fp32) to
+  // o_partial [splits, B * H, Lq, D] and lse_partial [splits, B * H, Lq]; the combine kernel
+  // (fwd_combine.cuh) merges them into out and lse.
+  int num_splits;
+  int split_blocks;
+  float* o_partial;
+  float* lse_partial;
   // The accumulator holds acc = q.k + bias / scale, so the logit is z = scale * acc. Without a
   // softcap the score array keeps acc; with one it keeps s = softcap * tanh(acc * softcap_in).
   float bias_mul;     // 1 / scale

@@ -91,6 +91,14 @@ bool DbiasNeedsWorkspace(const AttentionShape& s) {
   return false;
 }
 
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// fp32 bytes per split of the partial results: output rows and their lse.
+int64_t SplitBytes(const AttentionShape& s) {
+  return s.batch_count() * s.num_heads * s.seqlen_q * (s.head_dim + 1) *
+         static_cast<int64_t>(sizeof(float));
+}
+
 template <int D>
 cudaError_t ForwardD(const AttentionShape& shape, const FwdParams& p, cudaStream_t stream) {
   if (shape.dtype == ElementType::kBFloat16) {
@@ -120,6 +128,48 @@ cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStrea
 }
 
 }  // namespace
+
+int MultiProcessors() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    return 132;
+  }
+  return n;
+}
+
+// Key splits of the forward: none while the (query block, head, batch) grid fills 80 % of the
+// SMs' CTA slots (two per SM); otherwise the smallest count whose waves are filled within 85 % of
+// the best count's, among counts that shorten the longest split.
+int64_t ForwardSplits(const AttentionShape& s) {
+  const FwdTile tile = ForwardTile(s.head_dim);
+  const int64_t ctas = CeilDiv(s.seqlen_q, tile.bm) * s.batch_count() * s.num_heads;
+  const int64_t key_blocks = CeilDiv(s.seqlen_k, tile.bn);
+  const int64_t slots = 2 * static_cast<int64_t>(MultiProcessors());
+  if (ctas == 0 || 5 * ctas >= 4 * slots || key_blocks < 2) return 1;
+  auto filled = [&](int64_t n) {
+    const int64_t busy = ctas * n;
+    return static_cast<double>(busy) / static_cast<double>(CeilDiv(busy, slots) * slots);
+  };
+  auto shortens = [&](int64_t n) {
+    return n == 1 || CeilDiv(key_blocks, n) < CeilDiv(key_blocks, n - 1);
+  };
+  constexpr int64_t kMaxSplits = 64;
+  const int64_t most = key_blocks < kMaxSplits ? key_blocks : kMaxSplits;
+  double best = 0.0;
+  for (int64_t n = 1; n <= most; ++n) {
+    if (shortens(n) && filled(n) > best) best = filled(n);
+  }
+  for (int64_t n = 1; n <= most; ++n) {
+    if (shortens(n) && filled(n) >= 0.85 * best) return n;
+  }
+  return 1;
+}
+
+int64_t ForwardSplitWorkspaceBytes(const AttentionShape& shape) {
+  const int64_t splits = ForwardSplits(shape);
+  return splits > 1 ? splits * SplitBytes(shape) : 0;
+}
 
 bool SupportsHeadDim(int64_t head_dim) {
   switch (head_dim) {
@@ -179,6 +229,21 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
           BuildMaskBlockMap(p.s, p.mask, p.mask_vec, args.workspace[0], stream, &p.mask_map);
       e != cudaSuccess) {
     return e;
+  }
+  // The workspace was sized at trace time by the same rule; fewer splits if it came out smaller.
+  const int64_t split_bytes = SplitBytes(shape);
+  int64_t splits = ForwardSplits(shape);
+  if (split_bytes > 0 && splits * split_bytes > args.workspace_bytes[1]) {
+    splits = args.workspace[1] != nullptr ? args.workspace_bytes[1] / split_bytes : 1;
+  }
+  p.num_splits = splits > 1 ? static_cast<int>(splits) : 1;
+  p.split_blocks =
+      static_cast<int>(CeilDiv(CeilDiv(shape.seqlen_k, ForwardTile(shape.head_dim).bn),
+                               p.num_splits));
+  if (p.num_splits > 1) {
+    p.o_partial = static_cast<float*>(args.workspace[1]);
+    p.lse_partial = p.o_partial + p.num_splits * shape.batch_count() * shape.num_heads *
+                                      shape.seqlen_q * shape.head_dim;
   }
 
   switch (shape.head_dim) {

@@ -10,6 +10,24 @@
 
 namespace dmattn::cuda {
 
+// Forward tile (query rows x key columns) per head dim: FwdConfig's tiles and the split rule
+// below read this one table.
+struct FwdTile {
+  int bm, bn;
+};
+constexpr FwdTile ForwardTile(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return {128, 128};
+    case 64:
+    case 96:
+    case 128: return {128, 64};
+    default: return {64, 64};
+  }
+}
+
+// Multiprocessors of the current device (132 when it cannot be queried).
+int MultiProcessors();
+
 // Everything the backward launcher needs beyond the kernel parameter block.
 struct BwdLaunch {
   BwdParams p;

@@ -9,26 +9,17 @@
 
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/dq_kernel.cuh"
+#include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
 #include "cuda/launch.h"
 
 namespace dmattn::cuda {
 
-// Forward tiles: BM x BN with NW warps (each warp owns BM / NW query rows).
+// Forward tiles: ForwardTile(D) with 4 warps (each warp owns BM / 4 query rows).
 template <int D>
-struct FwdConfig;
-template <>
-struct FwdConfig<32> { using Traits = FwdTraits<32, 128, 128, 4>; };
-template <>
-struct FwdConfig<64> { using Traits = FwdTraits<64, 128, 64, 4>; };
-template <>
-struct FwdConfig<96> { using Traits = FwdTraits<96, 128, 64, 4>; };
-template <>
-struct FwdConfig<128> { using Traits = FwdTraits<128, 128, 64, 4>; };
-template <>
-struct FwdConfig<192> { using Traits = FwdTraits<192, 64, 64, 4>; };
-template <>
-struct FwdConfig<256> { using Traits = FwdTraits<256, 64, 64, 4>; };
+struct FwdConfig {
+  using Traits = FwdTraits<D, ForwardTile(D).bm, ForwardTile(D).bn, 4>;
+};
 
 // Backward tiles: BwdTraits<D, key block BN, query block BM, warps, warp grids of phases A / B /
 // C, Q/dO stages> (see bwd_kernel.cuh); every tile fits sm_80's 163 KB of shared memory.
@@ -63,15 +54,6 @@ struct BwdConfig<256> : BwdTiles<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
 // CTAs of the backward grid for key block BN (one per key block, kv head and dk/dv class).
 inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
   return (l.p.s.seqlen_k + bn - 1) / bn * l.p.s.num_kv_heads * l.p.kv_classes;
-}
-
-inline int MultiProcessors() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    return 132;
-  }
-  return n;
 }
 
 template <typename Kernel>
@@ -109,7 +91,9 @@ template <typename Tr, typename T>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
-  const int64_t blocks = static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads;
+  const int64_t rows = p.s.batch_count() * p.s.num_heads * p.s.seqlen_q;
+  const int64_t blocks =
+      static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   auto kernel = fwd_kernel<Tr, T>;
   if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
@@ -117,6 +101,10 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   const int smem =
       p.mask != nullptr ? Tr::kSmem : (p.bias != nullptr ? Tr::kOffMask : Tr::kOffBias);
   kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.num_splits == 1) return e;
+  const int64_t combine_blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+  fwd_combine_kernel<Tr::D, T>
+      <<<static_cast<unsigned>(combine_blocks), kCombineWarps * 32, 0, stream>>>(p, rows);
   return cudaGetLastError();
 }
 

@@ -37,9 +37,12 @@ class Cursor {
   }
   bool done() const { return next_ == buffers_.size(); }
   // The remaining results are platform workspaces.
-  ffi::Error Workspaces(void* (&out)[kMaxWorkspaces]) {
+  ffi::Error Workspaces(void* (&out)[kMaxWorkspaces], int64_t (&bytes)[kMaxWorkspaces]) {
     if (buffers_.size() - next_ > kMaxWorkspaces) return Invalid("too many workspace results");
-    for (int i = 0; next_ < buffers_.size(); ++i) out[i] = buffers_[next_++].untyped_data();
+    for (int i = 0; next_ < buffers_.size(); ++i, ++next_) {
+      out[i] = buffers_[next_].untyped_data();
+      bytes[i] = static_cast<int64_t>(buffers_[next_].size_bytes());
+    }
     return ffi::Error::Success();
   }
 
@@ -278,7 +281,7 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   p->out = out.untyped_data();
   p->lse = static_cast<float*>(lse.untyped_data());
-  return results.Workspaces(p->workspace);
+  return results.Workspaces(p->workspace, p->workspace_bytes);
 }
 
 ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const AttentionAttrs& attrs,
@@ -329,7 +332,7 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
   DMATTN_ASSIGN_OR_RETURN(softmax_d, grads.Next("softmax_d"));
   if (auto e = ExpectLse(softmax_d, *s, "softmax_d"); e.failure()) return e;
   p->softmax_d = static_cast<float*>(softmax_d.untyped_data());
-  return grads.Workspaces(p->workspace);
+  return grads.Workspaces(p->workspace, p->workspace_bytes);
 }
 
 template <typename Ptrs>

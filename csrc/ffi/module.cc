@@ -105,18 +105,34 @@ int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> 
   return dmattn::cuda::BackwardDbiasWorkspaceElements(shape);
 }
 
-// Bytes of the CUDA mask block map (forward workspace 0, backward workspace 1).
-int64_t CudaMaskMapBytes(std::vector<int64_t> q, std::vector<int64_t> k,
-                         std::vector<int64_t> mask) {
+// The shape a CUDA forward call with these operand shapes decodes to (mask optional).
+dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                                    const std::vector<int64_t>* mask) {
   ShapeOnlyBuffers b;
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
-  const dmattn::Buffers args = {qb, kb, kb, b.Add(mask, XLA_FFI_DataType_PRED)};
+  dmattn::Buffers args = {qb, kb, kb};
+  if (mask != nullptr) args.push_back(b.Add(*mask, XLA_FFI_DataType_PRED));
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, true, false, false, false};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, mask != nullptr, false, false, false};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;
   ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
-  return dmattn::cuda::MaskBlockMapBytes(shape);
+  return shape;
+}
+
+// Bytes of the CUDA mask block map (forward workspace 0, backward workspace 1).
+int64_t CudaMaskMapBytes(std::vector<int64_t> q, std::vector<int64_t> k,
+                         std::vector<int64_t> mask) {
+  return dmattn::cuda::MaskBlockMapBytes(ForwardShape(q, k, &mask));
+}
+
+// Key splits of the CUDA forward on the current device, and the bytes of their partial results
+// (forward workspace 1).
+int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
+  return dmattn::cuda::ForwardSplits(ForwardShape(q, k, nullptr));
+}
+int64_t CudaForwardSplitBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
+  return dmattn::cuda::ForwardSplitWorkspaceBytes(ForwardShape(q, k, nullptr));
 }
 #endif
 
@@ -132,5 +148,9 @@ NB_MODULE(_dmattn, m) {
         "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
   m.def("cuda_mask_map_bytes", &CudaMaskMapBytes, "q"_a, "k"_a, "mask"_a,
         "Bytes of the CUDA kernels' mask block map.");
+  m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
+        "Key splits of the CUDA forward (1: none) on the current device.");
+  m.def("cuda_forward_split_bytes", &CudaForwardSplitBytes, "q"_a, "k"_a,
+        "Bytes of the CUDA forward's split-KV partial results.");
 #endif
 }

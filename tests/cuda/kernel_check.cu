@@ -446,6 +446,8 @@ struct Err {
   bool nan = false;
 };
 
+Err Worse(const Err& a, const Err& b) { return {std::max(a.rel, b.rel), a.nan || b.nan}; }
+
 Err Compare16(const std::vector<uint16_t>& x, const std::vector<double>& ref, const Dtype& dt) {
   Err e;
   double num = 0, den = 0;
@@ -512,7 +514,9 @@ float MeanMs(Launch launch, int reps) {
   return ms / reps;
 }
 
-FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps) {
+// `splits`: give the forward its split-KV workspace (without it, it runs unsplit).
+FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps,
+                        bool splits = true) {
   const AttentionShape& s = P.s;
   FwdOut f;
   f.out = Poisoned(P.q_elems * 2);
@@ -529,10 +533,15 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.lse = f.lse;
   const int64_t map_bytes = dmattn::cuda::MaskBlockMapBytes(s);
   fa.workspace[0] = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
+  const int64_t split_bytes = splits ? dmattn::cuda::ForwardSplitWorkspaceBytes(s) : 0;
+  fa.workspace[1] = split_bytes > 0 ? Poisoned(split_bytes) : nullptr;
+  fa.workspace_bytes[1] = split_bytes;
   CK(dmattn::cuda::Forward(s, fa, 0));
   CK(cudaDeviceSynchronize());
   if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Forward(s, fa, 0)); }, reps);
-  if (fa.workspace[0]) CK(cudaFree(fa.workspace[0]));
+  for (void* w : fa.workspace) {
+    if (w) CK(cudaFree(w));
+  }
   r->out = Download(static_cast<uint16_t*>(f.out), P.q_elems);
   r->lse = Download(f.lse, P.B * s.num_heads * s.seqlen_q);
   return f;
@@ -780,6 +789,16 @@ std::vector<Case> AllCases() {
     c.D = 64; c.bias = Op({1}, 4, false, true); add(c);
   }
   {
+    Case c; c.name = "split_q1_k4000_d64_causal_offset"; c.batch = {3}; c.H = 8; c.Hk = 2;
+    c.Lq = 1; c.Lk = 4000; c.D = 64; c.causal = true; c.mask = Op({3}, 2, true, true);
+    c.mask_holes = true; add(c);
+  }
+  {
+    Case c; c.name = "split_q300_k3000_d256_softcap"; c.batch = {1}; c.H = 2; c.Hk = 2;
+    c.Lq = 300; c.Lk = 3000; c.D = 256; c.softcap = 30.f; c.bias = Op({1}, 2, true, true);
+    add(c);
+  }
+  {
     Case c; c.name = "window_seqlens_d128"; c.batch = {2}; c.H = 2; c.Hk = 2; c.Lq = 400;
     c.Lk = 400; c.D = 128; c.window_left = 100; c.window_right = 20; c.seqlens = true;
     c.q_lens = {400, 150}; c.kv_lens = {380, 222}; add(c);
@@ -789,6 +808,13 @@ std::vector<Case> AllCases() {
 
 std::vector<Case> QuickCases() {
   std::vector<Case> v;
+  {
+    // split-KV: one query row against a long masked, biased, length-limited key range
+    Case c; c.name = "quick_split_q1_k1000_d128_mask_bias"; c.batch = {2}; c.H = 4; c.Hk = 1;
+    c.Lq = 1; c.Lk = 1000; c.D = 128; c.mask = Op({2}, 1, true, true); c.mask_holes = true;
+    c.bias = Op({1}, 4, false, true); c.seqlens = true; c.q_lens = {1, 1};
+    c.kv_lens = {1000, 517}; v.push_back(c);
+  }
   {
     Case c; c.name = "quick_q17_k129_d64_mask_bias"; c.H = 2; c.Hk = 1; c.Lq = 17; c.Lk = 129;
     c.D = 64; c.mask = Op({1}, 2, true, true); c.bias = Op({1}, 2, true, true);
@@ -904,6 +930,45 @@ void Bench(bool variants) {
   }
 }
 
+// Split-KV against the same forward unsplit, on decode-like shapes.
+void BenchSplits() {
+  struct Shape {
+    int64_t b, h, hk, lq, lk, d;
+  };
+  const Shape shapes[] = {{1, 32, 8, 1, 32768, 128}, {8, 32, 8, 1, 8192, 128},
+                          {1, 16, 16, 128, 16384, 128}, {2, 8, 8, 512, 8192, 64}};
+  std::printf("\n%-44s %7s %12s %12s %8s\n", "forward, split-KV vs unsplit (bf16)", "splits",
+              "split ms", "unsplit ms", "ratio");
+  for (const Shape& x : shapes) {
+    Case c;
+    c.batch = {x.b};
+    c.H = x.h;
+    c.Hk = x.hk;
+    c.Lq = x.lq;
+    c.Lk = x.lk;
+    c.D = x.d;
+    if (!Compiled(c)) continue;
+    Problem P = Build(c, 11, true);
+    Buffers in = UploadInputs(P);
+    DeviceOut o;
+    float split_ms = 0, unsplit_ms = 0;
+    FwdOut f = RunForwardDevice(P, in, &o, &split_ms, 20);
+    FreeFwd(f);
+    f = RunForwardDevice(P, in, &o, &unsplit_ms, 20, false);
+    FreeFwd(f);
+    FreeInputs(in);
+    char name[64];
+    std::snprintf(name, sizeof(name), "B%lld H%lld Hk%lld Lq%lld Lk%lld D%lld",
+                  static_cast<long long>(x.b), static_cast<long long>(x.h),
+                  static_cast<long long>(x.hk), static_cast<long long>(x.lq),
+                  static_cast<long long>(x.lk), static_cast<long long>(x.d));
+    std::printf("%-44s %7lld %12.4f %12.4f %8.3f\n", name,
+                static_cast<long long>(dmattn::cuda::ForwardSplits(P.s)), split_ms, unsplit_ms,
+                split_ms / unsplit_ms);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -948,8 +1013,16 @@ int main(int argc, char** argv) {
     Buffers in = UploadInputs(P);
     DeviceOut o;
     FwdOut f = RunForwardDevice(P, in, &o, nullptr, 0);
-    const Err eo = Compare16(o.out, R.out, P.dt);
-    const Err el = CompareLse(o.lse, R.lse);
+    Err eo = Compare16(o.out, R.out, P.dt);
+    Err el = CompareLse(o.lse, R.lse);
+    const int64_t splits = dmattn::cuda::ForwardSplits(P.s);
+    if (splits > 1) {  // the same forward unsplit: both paths must pass
+      DeviceOut o1;
+      FwdOut f1 = RunForwardDevice(P, in, &o1, nullptr, 0, false);
+      FreeFwd(f1);
+      eo = Worse(eo, Compare16(o1.out, R.out, P.dt));
+      el = Worse(el, CompareLse(o1.lse, R.lse));
+    }
     // rows with no visible key: exactly zero output
     bool zero_ok = true;
     for (int64_t b = 0; b < P.B; ++b)
@@ -960,7 +1033,8 @@ int main(int argc, char** argv) {
             if (P.dt.dec(o.out[P.s.q_offset(b, h) + i * P.s.q_row_stride() + e]) != 0.f)
               zero_ok = false;
         }
-    std::printf("%-36s %-4s %8.1e %8.1e ", c.name.c_str(), c.bf16 ? "bf16" : "fp16", eo.rel,
+    const std::string label = c.name + (splits > 1 ? " [" + std::to_string(splits) + "]" : "");
+    std::printf("%-36s %-4s %8.1e %8.1e ", label.c_str(), c.bf16 ? "bf16" : "fp16", eo.rel,
                 el.rel);
     std::fflush(stdout);
     RunBackwardDevice(P, in, f, &o, nullptr, 0);
@@ -1046,7 +1120,10 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (variants) std::printf("variant failures: %d\n", variant_failures);
-  if (bench) Bench(variants);
+  if (bench) {
+    Bench(variants);
+    BenchSplits();
+  }
   std::printf("\n%d case(s) run, %d failed\n", ran, failures);
   return failures ? 1 : 0;
 }
