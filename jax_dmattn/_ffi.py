@@ -106,10 +106,10 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     """``[out, lse]`` from the platform's forward kernel."""
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
-    results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
+    results = [(q.shape, opts.out_dtype(q.dtype)), ((*batch, heads, seqlen_q), np.float32)]
     workspaces = _cuda_forward_workspaces(opts) if platform == "cuda" else None
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
-                 params.ffi_attributes(**opts._asdict()), workspaces)
+                 opts.ffi_attributes(params), workspaces)
 
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
@@ -126,7 +126,7 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
         workspaces.append((q.shape, np.float32))  # dq accumulator
         extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
-                 q.ndim - 3, params.ffi_attributes(**opts._asdict()), extra)
+                 q.ndim - 3, opts.ffi_attributes(params), extra)
     return outs[:len(grads)]
 
 

@@ -84,7 +84,8 @@ def _reference_forward(params: AttentionParams, q, k, v, mask, bias):
     return reference.attention(params, q, k, v, mask, bias)
 
 
-KERNEL_STEPS = StepFns(ops.forward, ops.backward)
+# The chunks' outputs in float32: the merged out is the backward's residual (ops.Optionals).
+KERNEL_STEPS = StepFns(functools.partial(ops.forward, float32_out=True), ops.backward)
 REFERENCE_STEPS = StepFns(_reference_forward, _reference_backward)
 
 
@@ -281,8 +282,10 @@ def _merge(out: jax.Array, lse: jax.Array, step_out: jax.Array, step_lse: jax.Ar
 
 def ring_forward(steps: StepFns, params: AttentionParams, q: jax.Array, k: jax.Array,
                  v: jax.Array, mask: jax.Array | None, bias: jax.Array | None, *,
-                 axis_name: AxisName, layout: str = "contiguous") -> tuple[jax.Array, jax.Array]:
-    """``(out [*B, Lq/n, H, D], lse [*B, H, Lq/n])`` of the local query rows over the whole ring.
+                 axis_name: AxisName, layout: str = "contiguous",
+                 out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """``(out [*B, Lq/n, H, D], lse [*B, H, Lq/n])`` of the local query rows over the whole ring;
+    out in `out_dtype` (default q's; float32 keeps the merge's precision for the backward).
 
     Runs where `axis_name` is bound (``shard_map``, a partitioned lowering). q, k, v are the local
     chunks ``[*B, L/n, H|Hk, D]``; mask and bias ``[*B|1, H|Hk|1, L/n|1, L|1]``; `params` is the
@@ -293,7 +296,7 @@ def ring_forward(steps: StepFns, params: AttentionParams, q: jax.Array, k: jax.A
     acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
 
     def skip():
-        return (jnp.zeros_like(q),
+        return (jnp.zeros_like(q, dtype=acc_dtype),
                 jnp.full_like(q, -jnp.inf, shape=ops.lse_shape(q.shape), dtype=acc_dtype))
 
     out = lse = None
@@ -306,16 +309,16 @@ def ring_forward(steps: StepFns, params: AttentionParams, q: jax.Array, k: jax.A
         def block_forward(block: _Block, kv=kv, src=src):
             (qb,), kvb, _, (maskb, biasb) = ring.operands(block, src, [q], kv, [], [mask, bias])
             o, lse_b = steps.forward(_step_params(params, block), qb, *kvb, maskb, biasb)
-            return (_unhalf(o, -3, block.q_half, 0),
+            return (_unhalf(o.astype(acc_dtype), -3, block.q_half, 0),
                     _unhalf(lse_b.astype(acc_dtype), -1, block.q_half, -jnp.inf))
 
         step_out, step_lse = _run_step(ring, step, me, block_forward, skip)
         if out is None:
-            out, lse = step_out.astype(acc_dtype), step_lse
+            out, lse = step_out, step_lse
         else:
-            out, lse = _merge(out, lse, step_out.astype(acc_dtype), step_lse)
+            out, lse = _merge(out, lse, step_out, step_lse)
         kv = next_kv
-    return out.astype(q.dtype), lse
+    return out.astype(out_dtype or q.dtype), lse
 
 
 # ---- backward -------------------------------------------------------------------------------
@@ -410,8 +413,11 @@ def _ring_attention(config: _Config, q, k, v, mask, bias):
 
 
 def _ring_attention_fwd(config: _Config, q, k, v, mask, bias):
-    out, lse = _ring_attention(config, q, k, v, mask, bias)
-    return (out, lse), (q, k, v, mask, bias, out, lse)
+    # The residual out stays float32 (see ops.Optionals); the caller gets q's dtype.
+    out, lse = ring_forward(config.steps, config.params, q, k, v, mask, bias,
+                            axis_name=config.axis_name, layout=config.layout,
+                            out_dtype=jnp.float32)
+    return (out.astype(q.dtype), lse), (q, k, v, mask, bias, out, lse)
 
 
 def _ring_attention_bwd(config: _Config, residuals, cotangents):

@@ -3,7 +3,8 @@
 ``attention`` takes validated, normalised operands (see ``attention.py``) and returns
 ``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
 other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
-out and lse, and whose backward returns dq, dk, dv and dbias (the mask and lengths get none).
+out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask and lengths
+get none).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def _attention(params, q, k, v, mask, bias, q_lens, kv_lens):
 
 
 def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens):
-    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens)
-    return (out, lse), (q, k, v, mask, bias, q_lens, kv_lens, out, lse)
+    # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
+    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, float32_out=True)
+    return (out.astype(q.dtype), lse), (q, k, v, mask, bias, q_lens, kv_lens, out, lse)
 
 
 def _attention_bwd(params, residuals, cotangents):

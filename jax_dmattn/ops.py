@@ -36,11 +36,17 @@ backward_p.multiple_results = True
 
 
 class Optionals(NamedTuple):
-    """Which optional operands a call carries (static)."""
+    """Which optional operands a call carries, and whether the forward's out is float32 (static).
+
+    A float32 out is what the backward needs from a half-precision forward: its
+    ``D_i = dout_i . out_i`` cancels against ``sum_j P_ij dP_ij`` for a sharp softmax, so the
+    rounding of a bf16/fp16 out would dominate dq.
+    """
 
     has_mask: bool
     has_bias: bool
     has_seqlens: bool
+    float32_out: bool = False
 
     @classmethod
     def of(cls, mask, bias, q_lens) -> Optionals:
@@ -55,14 +61,22 @@ class Optionals(NamedTuple):
         assert not extras
         return mask, bias, q_lens, kv_lens
 
+    def out_dtype(self, q_dtype):
+        return jnp.float32 if self.float32_out else q_dtype
+
+    def ffi_attributes(self, params: AttentionParams) -> dict:
+        return params.ffi_attributes(has_mask=self.has_mask, has_bias=self.has_bias,
+                                     has_seqlens=self.has_seqlens)
+
 
 def _present(*xs):
     return [x for x in xs if x is not None]
 
 
-def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None):
-    """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``."""
-    opts = Optionals.of(mask, bias, q_lens)
+def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None,
+            float32_out: bool = False):
+    """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``; out in q's dtype, or float32."""
+    opts = Optionals.of(mask, bias, q_lens)._replace(float32_out=float32_out)
     return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens), params=params, opts=opts)
 
 
@@ -97,7 +111,7 @@ def _like(q, shape, dtype):
 
 
 def _forward_abstract_eval(q, k, v, *extras, params, opts):
-    return _like(q, q.shape, q.dtype), _like(q, lse_shape(q.shape), jnp.float32)
+    return _like(q, q.shape, opts.out_dtype(q.dtype)), _like(q, lse_shape(q.shape), jnp.float32)
 
 
 def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
@@ -153,7 +167,8 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) ->
 
 
 def _reference_forward(params, opts, q, k, v, *extras):
-    return reference.attention(params, q, k, v, *opts.split(extras))
+    out, lse = reference.attention(params, q, k, v, *opts.split(extras))
+    return out.astype(opts.out_dtype(q.dtype)), lse
 
 
 def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):

@@ -55,7 +55,7 @@ def _kernel_steps(platform: str) -> context_parallel.StepFns:
     per-device lowering)."""
 
     def forward(params, q, k, v, mask, bias):
-        opts = ops.Optionals.of(mask, bias, None)
+        opts = ops.Optionals.of(mask, bias, None)._replace(float32_out=True)
         return _forward_impl(platform, params, opts, q, k, v,
                              *(x for x in (mask, bias) if x is not None))
 
@@ -206,7 +206,8 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
 def _ring_forward(platform, params, opts, axis_name, q, k, v, *extras):
     mask, bias, _, _ = opts.split(extras)
     return context_parallel.ring_forward(_kernel_steps(platform), params, q, k, v, mask, bias,
-                                         axis_name=axis_name)
+                                         axis_name=axis_name,
+                                         out_dtype=opts.out_dtype(q.dtype))
 
 
 def _ring_backward(platform, params, opts, axis_name, q, k, v, out, dout, lse, dlse, *extras):

@@ -384,3 +384,37 @@ def test_vmap_dot_product_attention_with_mapped_lengths():
     assert_close("dbias", grads[2], np.sum([e[1][2] for e in exp], axis=0), TOL)
     padded = np.arange(LQ)[None, None, :] >= q_lens[:, :, None]  # [n, B, LQ]
     assert np.all(np.asarray(out)[padded] == 0)
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_backward_reads_a_float32_out(dtype):
+    # D_i = dout_i . out_i cancels against sum_j P_ij dP_ij for a sharp softmax: the backward
+    # must see the forward's float32 output, not its rounding to q's dtype.
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 16)), dtype) for _ in range(3))
+
+    def loss(q, k, v):
+        return flash_dmattn(q, k, v, implementation="cpu").astype(jnp.float32).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    by_name = {eqn.primitive.name: eqn for eqn in _equations(jaxpr)}
+    forward, backward = by_name["dmattn_fwd"], by_name["dmattn_bwd"]
+    assert forward.outvars[0].aval.dtype == jnp.float32
+    assert backward.invars[3].aval.dtype == jnp.float32  # q, k, v, out, ...
+    assert backward.outvars[0].aval.dtype == jnp.dtype(dtype)  # dq in q's dtype
+    # ... and the output the caller sees is in q's dtype, as without differentiation.
+    primal, _ = jax.vjp(lambda q: flash_dmattn(q, k, v, implementation="cpu"), q)
+    plain = flash_dmattn(q, k, v, implementation="cpu")
+    assert primal.dtype == plain.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(primal, np.float32), np.asarray(plain, np.float32))

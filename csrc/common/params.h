@@ -140,6 +140,7 @@ struct ForwardArgs {
   const int32_t* kv_lens = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
   // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
   void* workspace[kMaxWorkspaces] = {};
   int64_t workspace_bytes[kMaxWorkspaces] = {};
@@ -151,6 +152,7 @@ struct BackwardArgs {
   const void* k = nullptr;
   const void* v = nullptr;
   const void* out = nullptr;
+  bool out_f32 = false;  // out is float32 (the forward's exact output), else q's dtype
   const void* dout = nullptr;
   const float* lse = nullptr;
   const float* dlse = nullptr;

@@ -31,14 +31,13 @@ struct Operands {
       : q(static_cast<const T*>(a.q)),
         k(static_cast<const T*>(a.k)),
         v(static_cast<const T*>(a.v)),
-        out(static_cast<const T*>(a.out)),
         dout(static_cast<const T*>(a.dout)),
         bias(static_cast<const T*>(a.bias)),
         dq(static_cast<T*>(a.dq)),
         dk(static_cast<T*>(a.dk)),
         dv(static_cast<T*>(a.dv)),
         dbias(shape.bias.present && shape.dbias.present ? static_cast<T*>(a.dbias) : nullptr) {}
-  const T *q, *k, *v, *out, *dout, *bias;
+  const T *q, *k, *v, *dout, *bias;
   T *dq, *dk, *dv, *dbias;
 };
 
@@ -49,10 +48,16 @@ void ComputeSoftmaxD(const AttentionShape& shape, const BackwardArgs& args, int6
   const Operands<T> ops(shape, args);
   const int64_t q_offset = shape.q_offset(b, h), lse_offset = shape.lse_offset(b, h);
   for (int64_t i = 0; i < shape.seqlen_q; ++i) {
-    const T* o = ops.out + q_offset + i * shape.q_row_stride();
-    const T* g = ops.dout + q_offset + i * shape.q_row_stride();
+    const int64_t row = q_offset + i * shape.q_row_stride();
+    const T* g = ops.dout + row;
     float dot = 0.f;
-    for (int64_t d = 0; d < shape.head_dim; ++d) dot += ToFloat(g[d]) * ToFloat(o[d]);
+    if (args.out_f32) {
+      const float* o = static_cast<const float*>(args.out) + row;
+      for (int64_t d = 0; d < shape.head_dim; ++d) dot += ToFloat(g[d]) * o[d];
+    } else {
+      const T* o = static_cast<const T*>(args.out) + row;
+      for (int64_t d = 0; d < shape.head_dim; ++d) dot += ToFloat(g[d]) * ToFloat(o[d]);
+    }
     const float dlse = args.dlse != nullptr ? args.dlse[lse_offset + i] : 0.f;
     args.softmax_d[lse_offset + i] = dot - dlse;
   }

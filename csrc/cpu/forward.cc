@@ -106,14 +106,21 @@ void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b
 
   // Every row of the block is written: rows with no visible key (row_sum 0, including rows past
   // q_len) get out = 0 and lse = -inf.
-  T* out = static_cast<T*>(args.out) + item.q_offset + block.i0 * q_stride;
+  const int64_t out_offset = item.q_offset + block.i0 * q_stride;
   float* lse = args.lse + item.lse_offset + block.i0;
   const int64_t block_rows = std::min(kBlockM, shape.seqlen_q - block.i0);
   for (int64_t r = 0; r < block_rows; ++r) {
     const float sum = tiles.row_sum[r];
     const float* o = tiles.o.get() + r * dp;
-    for (int64_t d = 0; d < dim; ++d)
-      out[r * q_stride + d] = FromFloat<T>(sum > 0.f ? o[d] / sum : 0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x = sum > 0.f ? o[d] / sum : 0.f;
+      const int64_t at = out_offset + r * q_stride + d;
+      if (args.out_f32) {
+        static_cast<float*>(args.out)[at] = x;
+      } else {
+        static_cast<T*>(args.out)[at] = FromFloat<T>(x);
+      }
+    }
     lse[r] = sum > 0.f ? tiles.row_max[r] + std::log(sum) : -INFINITY;
   }
 }

@@ -720,21 +720,28 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   }
 }
 
-// softmax_d[b, h, i] = sum_d dout * out - dlse. One warp per (b, i, h) row.
-template <int D, typename T>
-__global__ void bwd_preprocess(const __grid_constant__ BwdParams p, const T* out,
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* x) {
+  return detail::Elem<T>::unpack(*reinterpret_cast<const uint32_t*>(x));
+}
+__device__ __forceinline__ float2 load_pair(const float* x) {
+  return *reinterpret_cast<const float2*>(x);
+}
+
+// softmax_d[b, h, i] = sum_d dout * out - dlse. One warp per (b, i, h) row; out is T or float.
+template <int D, typename T, typename O>
+__global__ void bwd_preprocess(const __grid_constant__ BwdParams p, const O* out,
                                const float* dlse, float* softmax_d, int64_t rows) {
-  using E = detail::Elem<T>;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows) return;
-  const T* o = out + r * D;
+  const O* o = out + r * D;
   const T* d = static_cast<const T*>(p.dout) + r * D;
   float acc = 0.f;
 #pragma unroll
   for (int c = lane * 2; c < D; c += 64) {
-    const float2 x = E::unpack(*reinterpret_cast<const uint32_t*>(o + c));
-    const float2 y = E::unpack(*reinterpret_cast<const uint32_t*>(d + c));
+    const float2 x = load_pair(o + c);
+    const float2 y = load_pair(d + c);
     acc += x.x * y.x + x.y * y.y;
   }
 #pragma unroll

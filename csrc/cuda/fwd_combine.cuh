@@ -55,9 +55,15 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t H = s.num_heads, Lq = s.seqlen_q;
   const int64_t q_row = row % Lq, bh = row / Lq;
   const int64_t b = bh / H, h = bh % H;
-  T* out = static_cast<T*>(p.out) + s.q_offset(b, h) + q_row * s.q_row_stride();
+  const int64_t at = s.q_offset(b, h) + q_row * s.q_row_stride() + lane;
 #pragma unroll
-  for (int i = 0; i < kCols; ++i) out[lane + 32 * i] = detail::Elem<T>::from_float(acc[i]);
+  for (int i = 0; i < kCols; ++i) {
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[at + 32 * i] = acc[i];
+    } else {
+      static_cast<T*>(p.out)[at + 32 * i] = detail::Elem<T>::from_float(acc[i]);
+    }
+  }
   if (lane == 0) p.lse[s.lse_offset(b, h) + q_row] = lse;
 }
 

@@ -33,6 +33,7 @@ struct FwdParams {
   const int32_t* kv_lens;
   void* out;
   float* lse;
+  bool out_f32;  // out is float32, else T
 
   int m_blocks;
   // Split-KV when num_splits > 1: split s of a query block covers key blocks [s * split_blocks,

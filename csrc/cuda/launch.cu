@@ -218,6 +218,7 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
   p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
   p.out = args.out;
+  p.out_f32 = args.out_f32;
   p.lse = args.lse;
   FillCommon(shape, &p.bias_mul, &p.softcap_in, &p.softcap, &p.softmax_mul);
   p.lse_mul = shape.softcap > 0.f ? 1.f : shape.scale;
@@ -330,6 +331,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   }
 
   l.out = args.out;
+  l.out_f32 = args.out_f32;
   l.dlse = args.dlse;
   l.softmax_d = args.softmax_d;
   l.dq = args.dq;

@@ -32,6 +32,7 @@ int MultiProcessors();
 struct BwdLaunch {
   BwdParams p;
   const void* out = nullptr;
+  bool out_f32 = false;  // out is float32, else T
   const float* dlse = nullptr;
   float* softmax_d = nullptr;
   void* dq = nullptr;

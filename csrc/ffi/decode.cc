@@ -206,6 +206,18 @@ ffi::Error ExpectLikeQ(ffi::AnyBuffer x, ffi::AnyBuffer q, const char* name) {
   return ffi::Error::Success();
 }
 
+// The attention output: q's shape, q's dtype or float32 (*f32 says which). A half-precision call
+// keeps its output in float32 for the backward, whose D_i = dout_i . out_i must not carry the
+// output's rounding (it cancels against P_ij dP_ij for a sharp softmax).
+ffi::Error ExpectOutput(ffi::AnyBuffer x, ffi::AnyBuffer q, const char* name, bool* f32) {
+  *f32 = x.element_type() == ffi::DataType::F32;
+  if (!SameDims(x.dimensions(), q.dimensions()) ||
+      !(*f32 || x.element_type() == q.element_type())) {
+    return Invalid(std::string(name) + " must have q's shape and q's dtype or float32");
+  }
+  return ffi::Error::Success();
+}
+
 // dk and dv: k's dims except batch dims, where they may be full although k broadcasts.
 ffi::Error DecodeKvGradient(ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer k,
                             AttentionShape* s) {
@@ -277,7 +289,7 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   Cursor results(rets, "result");
   DMATTN_ASSIGN_OR_RETURN(out, results.Next("out"));
   DMATTN_ASSIGN_OR_RETURN(lse, results.Next("lse"));
-  if (auto e = ExpectLikeQ(out, q, "out"); e.failure()) return e;
+  if (auto e = ExpectOutput(out, q, "out", &p->out_f32); e.failure()) return e;
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   p->out = out.untyped_data();
   p->lse = static_cast<float*>(lse.untyped_data());
@@ -295,9 +307,8 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
   DMATTN_ASSIGN_OR_RETURN(lse, in.Next("lse"));
   DMATTN_ASSIGN_OR_RETURN(dlse, in.Next("dlse"));
   if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
-  for (auto [x, name] : {std::pair{out, "out"}, std::pair{dout, "dout"}}) {
-    if (auto e = ExpectLikeQ(x, q, name); e.failure()) return e;
-  }
+  if (auto e = ExpectOutput(out, q, "out", &p->out_f32); e.failure()) return e;
+  if (auto e = ExpectLikeQ(dout, q, "dout"); e.failure()) return e;
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   if (auto e = ExpectLse(dlse, *s, "dlse"); e.failure()) return e;
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
