@@ -149,19 +149,16 @@ def _cuda_forward_workspaces(opts):
 
     def workspaces(arg_shapes, result_shapes):
         out = mask_map(arg_shapes, result_shapes) if opts.has_mask else [((1,), np.uint8)]
-        mask = arg_shapes[3] if opts.has_mask else ()
-        n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1], mask)
+        n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1])
         return [*out, ((max(n, 1),), np.uint8)]
 
     return workspaces
 
 
-def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                        mask_shape: tuple[int, ...] = ()) -> int:
-    """Key splits the CUDA forward runs for q ``[B, Lq, H, D]``, k ``[B, Lk, Hk, D]`` and a mask
-    (``()``: none) on the current device (1: none)."""
-    return int(_extension().cuda_forward_splits(tuple(q_shape), tuple(k_shape),
-                                                tuple(mask_shape)))
+def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> int:
+    """Key splits the CUDA forward runs for q ``[B, Lq, H, D]`` and k ``[B, Lk, Hk, D]`` on the
+    current device (1: none)."""
+    return int(_extension().cuda_forward_splits(tuple(q_shape), tuple(k_shape)))
 
 
 def _cuda_backward_workspaces(opts, num_grads: int):

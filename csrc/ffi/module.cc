@@ -127,15 +127,12 @@ int64_t CudaMaskMapBytes(std::vector<int64_t> q, std::vector<int64_t> k,
 }
 
 // Key splits of the CUDA forward on the current device, and the bytes of their partial results
-// (forward workspace 1). An empty `mask`: none.
-int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k,
-                          std::vector<int64_t> mask) {
-  return dmattn::cuda::ForwardSplits(ForwardShape(q, k, mask.empty() ? nullptr : &mask));
+// (forward workspace 1).
+int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
+  return dmattn::cuda::ForwardSplits(ForwardShape(q, k, nullptr));
 }
-int64_t CudaForwardSplitBytes(std::vector<int64_t> q, std::vector<int64_t> k,
-                              std::vector<int64_t> mask) {
-  return dmattn::cuda::ForwardSplitWorkspaceBytes(
-      ForwardShape(q, k, mask.empty() ? nullptr : &mask));
+int64_t CudaForwardSplitBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
+  return dmattn::cuda::ForwardSplitWorkspaceBytes(ForwardShape(q, k, nullptr));
 }
 #endif
 
@@ -151,9 +148,9 @@ NB_MODULE(_dmattn, m) {
         "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
   m.def("cuda_mask_map_bytes", &CudaMaskMapBytes, "q"_a, "k"_a, "mask"_a,
         "Bytes of the CUDA kernels' mask block map.");
-  m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a, "mask"_a,
+  m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
-  m.def("cuda_forward_split_bytes", &CudaForwardSplitBytes, "q"_a, "k"_a, "mask"_a,
+  m.def("cuda_forward_split_bytes", &CudaForwardSplitBytes, "q"_a, "k"_a,
         "Bytes of the CUDA forward's split-KV partial results.");
 #endif
 }

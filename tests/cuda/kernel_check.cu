@@ -930,16 +930,13 @@ void Bench(bool variants) {
   }
 }
 
-// Split-KV against the same forward unsplit, on decode-like shapes and a small grid with a
-// [1, 1, L, L] mask of 128 x 128 blocks (density > 0).
+// Split-KV against the same forward unsplit, on decode-like shapes.
 void BenchSplits() {
   struct Shape {
     int64_t b, h, hk, lq, lk, d;
-    float density;
   };
-  const Shape shapes[] = {{1, 32, 8, 1, 32768, 128, 0.f},     {8, 32, 8, 1, 8192, 128, 0.f},
-                          {1, 16, 16, 128, 16384, 128, 0.f},  {2, 8, 8, 512, 8192, 64, 0.f},
-                          {1, 2, 1, 16384, 16384, 128, 1.f},  {1, 2, 1, 16384, 16384, 128, 0.1f}};
+  const Shape shapes[] = {{1, 32, 8, 1, 32768, 128}, {8, 32, 8, 1, 8192, 128},
+                          {1, 16, 16, 128, 16384, 128}, {2, 8, 8, 512, 8192, 64}};
   std::printf("\n%-44s %7s %12s %12s %8s\n", "forward, split-KV vs unsplit (bf16)", "splits",
               "split ms", "unsplit ms", "ratio");
   for (const Shape& x : shapes) {
@@ -950,11 +947,6 @@ void BenchSplits() {
     c.Lq = x.lq;
     c.Lk = x.lk;
     c.D = x.d;
-    if (x.density > 0.f) {
-      c.mask = Op({1}, 1, true, true);
-      c.mask_density = 1.f;
-      c.block_density = x.density < 1.f ? x.density : 0.f;
-    }
     if (!Compiled(c)) continue;
     Problem P = Build(c, 11, true);
     Buffers in = UploadInputs(P);
@@ -966,11 +958,10 @@ void BenchSplits() {
     FreeFwd(f);
     FreeInputs(in);
     char name[64];
-    std::snprintf(name, sizeof(name), "B%lld H%lld Hk%lld Lq%lld Lk%lld D%lld%s",
+    std::snprintf(name, sizeof(name), "B%lld H%lld Hk%lld Lq%lld Lk%lld D%lld",
                   static_cast<long long>(x.b), static_cast<long long>(x.h),
                   static_cast<long long>(x.hk), static_cast<long long>(x.lq),
-                  static_cast<long long>(x.lk), static_cast<long long>(x.d),
-                  x.density == 1.f ? " mask 100%" : (x.density > 0.f ? " mask 10%" : ""));
+                  static_cast<long long>(x.lk), static_cast<long long>(x.d));
     std::printf("%-44s %7lld %12.4f %12.4f %8.3f\n", name,
                 static_cast<long long>(dmattn::cuda::ForwardSplits(P.s)), split_ms, unsplit_ms,
                 split_ms / unsplit_ms);
