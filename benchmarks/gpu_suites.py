@@ -315,31 +315,41 @@ def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
         "3.5× that forward+backward", JAX_NN_MASK]
 
 
+# Heads of the density sweep: the dynamic-mask suite's (H=2, Hk=1) and those of DESIGN.md's
+# density anchor (L16k H16 D128).
+DENSITY_HEADS = ((2, 1), (16, 16))
+
+
 def suite_density(bench: Bench) -> tuple[list[dict], list[str]]:
-    """B=1, H=2, Hk=1, D=128, L=16k, 128×128 block masks at 100…5 % density, non-causal."""
-    batch, heads, kv_heads, head_dim = 1, 2, 1, 128
+    """B=1, D=128, L=16k, H/Hk = 2/1 and 16/16, 128×128 block masks at 100…5 % density,
+    non-causal."""
+    batch, head_dim = 1, 128
     length, block = (512, 64) if bench.quick else (16384, 128)
-    base = qkv(batch, length, heads, kv_heads, head_dim)
     rows = []
-    for percent in (100, 50, 25, 10, 5):
-        mask = block_mask(length, percent / 100, block, seed=percent)
-        kept = int(jnp.sum(mask))
-        label = f"density {percent}% (actual {kept / length**2:.3f})"
-        config = dict(B=batch, L=length, H=heads, Hk=kv_heads, D=head_dim, causal=False,
-                      density=percent / 100, actual_density=kept / length**2)
-        flops = 4.0 * batch * heads * head_dim * kept
-        rows += measure(bench, "density", label, config, {**base, "mask": mask, "bias": None},
-                        False, flops, impls=("jax_dmattn", "cudnn"))
-        free(mask)
-    free(base)
-    for row in rows:  # time / time at 100 % density, per implementation and pass
-        dense = next(r for r in rows if r["pass"] == row["pass"])
+    for heads, kv_heads in DENSITY_HEADS:
+        base = qkv(batch, length, heads, kv_heads, head_dim)
+        for percent in (100, 50, 25, 10, 5):
+            mask = block_mask(length, percent / 100, block, seed=percent)
+            kept = int(jnp.sum(mask))
+            label = f"H={heads} density {percent}% (actual {kept / length**2:.3f})"
+            config = dict(B=batch, L=length, H=heads, Hk=kv_heads, D=head_dim, causal=False,
+                          density=percent / 100, actual_density=kept / length**2)
+            flops = 4.0 * batch * heads * head_dim * kept
+            rows += measure(bench, "density", label, config,
+                            {**base, "mask": mask, "bias": None}, False, flops,
+                            impls=("jax_dmattn", "cudnn"))
+            free(mask)
+        free(base)
+    for row in rows:  # time / time at 100 % density of the same heads, per implementation, pass
+        dense = next(r for r in rows if r["pass"] == row["pass"]
+                     and r["config"]["H"] == row["config"]["H"])
         row["vs_dense"] = {impl: round(cell["ms"] / dense["results"][impl]["ms"], 3)
                            if "ms" in cell and "ms" in dense["results"][impl] else None
                            for impl, cell in row["results"].items()}
+    heads = ", ".join(f"H={h} Hk={hk}" for h, hk in DENSITY_HEADS)
     return rows, [f"mask [1, 1, L, L] of {block}×{block} blocks (diagonal blocks always kept), "
-                  f"the same for both; no bias; B={batch} H={heads} Hk={kv_heads} D={head_dim} "
-                  f"L={kilo(length)}",
+                  f"the same for both; no bias; B={batch} D={head_dim} L={kilo(length)}; "
+                  f"{heads}",
                   "TF/s counts only the kept (query, key) pairs; '/ 100 %' = time over the time "
                   "at 100 % density", JAX_NN_MASK]
 

@@ -94,18 +94,24 @@ def stacked_bars(plt, rows: list[dict]):
 
 
 def density_lines(plt, rows: list[dict]):
-    """Two panels (fwd, fwd+bwd): time / time at 100 % against the kept fraction."""
+    """Two panels (fwd, fwd+bwd): time / time at 100 % against the kept fraction, one line per
+    implementation and head count."""
     impls = impls_of(rows)
+    head_counts = sorted({r["config"]["H"] for r in rows})
+    markers = dict(zip(head_counts, "os^v", strict=False))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for ax, pass_name in zip(axes, PASSES, strict=True):
-        sweep = sorted((r for r in rows if r["pass"] == pass_name),
-                       key=lambda r: r["config"]["actual_density"])
-        xs = [r["config"]["actual_density"] for r in sweep]
         ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="ideal (time ∝ density)")
-        for impl in impls:
-            ys = [r.get("vs_dense", {}).get(impl) for r in sweep]
-            ax.plot(xs, [math.nan if y is None else y for y in ys], "o-", label=NAMES[impl],
-                    color=COLORS[impl])
+        for heads in head_counts:
+            sweep = sorted((r for r in rows if r["pass"] == pass_name
+                            and r["config"]["H"] == heads),
+                           key=lambda r: r["config"]["actual_density"])
+            xs = [r["config"]["actual_density"] for r in sweep]
+            for impl in impls:
+                ys = [r.get("vs_dense", {}).get(impl) for r in sweep]
+                ax.plot(xs, [math.nan if y is None else y for y in ys], f"{markers[heads]}-",
+                        label=f"{NAMES[impl]} H={heads}", color=COLORS[impl],
+                        alpha=1.0 if heads == head_counts[-1] else 0.55)
         ax.set_title(pass_name)
         ax.set_xlabel("kept fraction of the [L, L] mask")
         ax.grid(alpha=0.3)
