@@ -238,9 +238,6 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
     splits = args.workspace[1] != nullptr ? args.workspace_bytes[1] / split_bytes : 1;
   }
   p.num_splits = splits > 1 ? static_cast<int>(splits) : 1;
-  p.split_blocks =
-      static_cast<int>(CeilDiv(CeilDiv(shape.seqlen_k, ForwardTile(shape.head_dim).bn),
-                               p.num_splits));
   if (p.num_splits > 1) {
     p.o_partial = static_cast<float*>(args.workspace[1]);
     p.lse_partial = p.o_partial + p.num_splits * shape.batch_count() * shape.num_heads *

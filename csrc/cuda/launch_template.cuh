@@ -91,6 +91,8 @@ template <typename Tr, typename T>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
+  const int n_blocks = static_cast<int>((p.s.seqlen_k + Tr::BN - 1) / Tr::BN);
+  p.split_blocks = (n_blocks + p.num_splits - 1) / p.num_splits;
   const int64_t rows = p.s.batch_count() * p.s.num_heads * p.s.seqlen_q;
   const int64_t blocks =
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;

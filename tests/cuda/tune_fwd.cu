@@ -1,6 +1,6 @@
 // Variant counts for tests/cuda/run_gpu.sh TUNE=1 (kernel_check --variants checks and times
 // DMATTN_CUDA_VARIANT=1..n next to the library's tiles; see launch_template.cuh), and the forward
-// variants (none at present). Not part of the library.
+// forward variants. Not part of the library.
 #include "cuda/launch_template.cuh"
 
 namespace dmattn::cuda {
@@ -9,7 +9,7 @@ using BF16 = __nv_bfloat16;
 
 int TuningVariants(bool backward, int head_dim) {
   if (backward) return head_dim == 128 ? 3 : (head_dim == 64 ? 2 : 0);
-  return 0;
+  return head_dim == 128 ? 3 : 0;
 }
 
 template <>
@@ -17,9 +17,15 @@ cudaError_t RunForwardVariant<64, BF16>(int, const FwdParams&, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 
+// 1: 8 warps of 16 rows (half the registers per thread); 2: 64-row tiles; 3: 8 warps, 128 keys.
 template <>
-cudaError_t RunForwardVariant<128, BF16>(int, const FwdParams&, cudaStream_t) {
-  return cudaErrorNotSupported;
+cudaError_t RunForwardVariant<128, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
+  switch (v) {
+    case 1: return RunForwardTiles<FwdTraits<128, 128, 64, 8>, BF16>(p, stream);
+    case 2: return RunForwardTiles<FwdTraits<128, 64, 64, 4>, BF16>(p, stream);
+    case 3: return RunForwardTiles<FwdTraits<128, 128, 128, 8>, BF16>(p, stream);
+    default: return cudaErrorNotSupported;
+  }
 }
 
 }  // namespace dmattn::cuda
