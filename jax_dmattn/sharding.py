@@ -54,7 +54,7 @@ def _kernel_steps(platform: str) -> context_parallel.StepFns:
     """The ring's per-chunk steps: the platform's kernels, called directly (this is already the
     per-device lowering)."""
 
-    def forward(params, q, k, v, mask, bias):
+    def forward(params, q, k, v, mask, bias):  # float32 out, as context_parallel.KERNEL_STEPS
         opts = ops.Optionals.of(mask, bias, None)._replace(float32_out=True)
         return _forward_impl(platform, params, opts, q, k, v,
                              *(x for x in (mask, bias) if x is not None))

@@ -77,8 +77,7 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=cases_ids(SPLIT_CASES))
 def test_split_kv(case):
-    splits = _ffi.cuda_forward_splits((case.B, case.Lq, case.H, case.D),
-                                      (case.B, case.Lk, case.Hk, case.D))
+    splits = _ffi.cuda_forward_splits(case.q_shape, case.kv_shape)
     assert splits > 1, splits
     check_case(case, IMPL)
 

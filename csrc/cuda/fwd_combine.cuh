@@ -29,7 +29,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     max_lse = fmaxf(max_lse, p.lse_partial[sp * rows + row]);
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+  }
   float sum = 0.f;
   if (max_lse != -INFINITY) {
     for (int sp = lane; sp < p.num_splits; sp += 32) {
