@@ -1,6 +1,6 @@
 // Variant counts for tests/cuda/run_gpu.sh TUNE=1 (kernel_check --variants checks and times
 // DMATTN_CUDA_VARIANT=1..n next to the library's tiles; see launch_template.cuh), and the forward
-// forward variants. Not part of the library.
+// variants. Not part of the library.
 #include "cuda/launch_template.cuh"
 
 namespace dmattn::cuda {
