@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_dmattn
 from jax_dmattn import masks
+from jax_dmattn._timing import median_ms
 from jax_dmattn.context_parallel import ring_attention, to_zigzag
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,16 +67,6 @@ def compare_row(label: str, got, ref, tol: float) -> bool:
     ok = max(errs) <= tol
     say(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {ok} |")
     return ok
-
-
-def median_ms(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(times))
 
 
 def loss_grads(attend, argnums=(0, 1, 2, 4)):
@@ -238,12 +229,12 @@ def part_cp(quick: bool, length: int, window: int, iters: int) -> None:
     zq, zk, zv, zw = (to_zigzag(x, n) for x in (q, k, v, w))
     single = jax.jit(one_device)
     try:
-        single_ms = median_ms(single, q, k, v, bias, w, iters=iters)
+        single_ms = median_ms(single, q, k, v, bias, w, warmup=1, iters=iters)
         (_, ref_out) = single(q, k, v, bias, w)
     except Exception as error:  # the single device may run out of memory at long L
         single_ms, ref_out = float("nan"), None
         say(f"one device: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-    ring_ms = median_ms(ring, zq, zk, zv, bias, zw, iters=iters)
+    ring_ms = median_ms(ring, zq, zk, zv, bias, zw, warmup=1, iters=iters)
     (_, ring_out) = ring(zq, zk, zv, bias, zw)
     unit = "GPU" if ON_GPU else "device"
     say("| run | ms | time / 1 device |")

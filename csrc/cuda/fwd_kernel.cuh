@@ -342,52 +342,39 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     inv_l[r] = l > 0.f ? 1.f / l : 0.f;
     lse[r] = l > 0.f ? row_m[r] * p.lse_mul + logf(l) : -INFINITY;
   }
-  // fp32 results (a split's partial output, or a float32 out) go straight from registers.
-  if (p.num_splits > 1 || p.out_f32) {
-    float *o_dst, *lse_dst;
-    int64_t o_row_stride;
-    if (p.num_splits > 1) {
-      const int64_t rows = (split * s.batch_count() * H + bh) * Lq + m0;
-      o_dst = p.o_partial + rows * D;
-      o_row_stride = D;
-      lse_dst = p.lse_partial + rows;
-    } else {
-      o_dst = static_cast<float*>(p.out) + s.q_offset(b, h) + m0 * q_rs;
-      o_row_stride = q_rs;
-      lse_dst = p.lse + s.lse_offset(b, h) + m0;
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mt + half;
-        const int rl = warp_row0 + mt * 16 + g + half * 8;
-        if (m0 + rl >= Lq) continue;
-        if (tq == 0) lse_dst[rl] = lse[r];
-#pragma unroll
-        for (int t = 0; t < NTO; ++t) {
-          *reinterpret_cast<float2*>(o_dst + rl * o_row_stride + t * 8 + 2 * tq) =
-              make_float2(o[mt][t][2 * half] * inv_l[r], o[mt][t][2 * half + 1] * inv_l[r]);
-        }
-      }
-    }
-    return;
+  // fp32 results (a split's partial output, or a float32 out) go straight from registers; a
+  // T out goes through shared memory for 16-byte stores.
+  const bool direct = p.num_splits > 1 || p.out_f32;
+  float* lse_dst = p.lse + s.lse_offset(b, h) + m0;
+  float* o_dst = static_cast<float*>(p.out) + s.q_offset(b, h) + m0 * q_rs;
+  int64_t o_row_stride = q_rs;
+  if (p.num_splits > 1) {
+    const int64_t rows = (split * s.batch_count() * H + bh) * Lq + m0;
+    lse_dst = p.lse_partial + rows;
+    o_dst = p.o_partial + rows * D;
+    o_row_stride = D;
   }
-  float* lse_g = p.lse + s.lse_offset(b, h);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 2 * mt + half;
       const int rl = warp_row0 + mt * 16 + g + half * 8;
-      if (tq == 0 && m0 + rl < Lq) lse_g[m0 + rl] = lse[r];
+      if (m0 + rl >= Lq) continue;
+      if (tq == 0) lse_dst[rl] = lse[r];
 #pragma unroll
       for (int t = 0; t < NTO; ++t) {
-        *reinterpret_cast<uint32_t*>(sQ + TileQ::off(rl, t * 8 + 2 * tq)) =
-            E::pack(o[mt][t][2 * half] * inv_l[r], o[mt][t][2 * half + 1] * inv_l[r]);
+        const float x0 = o[mt][t][2 * half] * inv_l[r], x1 = o[mt][t][2 * half + 1] * inv_l[r];
+        if (direct) {
+          *reinterpret_cast<float2*>(o_dst + rl * o_row_stride + t * 8 + 2 * tq) =
+              make_float2(x0, x1);
+        } else {
+          *reinterpret_cast<uint32_t*>(sQ + TileQ::off(rl, t * 8 + 2 * tq)) = E::pack(x0, x1);
+        }
       }
     }
   }
+  if (direct) return;
   __syncthreads();
   T* og = static_cast<T*>(p.out) + s.q_offset(b, h) + m0 * q_rs;
   store_tile<BM, D, NT>(og, sQ, q_rs, Lq - m0, tid);
