@@ -32,11 +32,13 @@ import numpy as np
 
 import jax_dmattn
 from jax_dmattn._timing import attention_flops, median_ms
+from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = ("dense", "bias_mask", "dynamic", "density")
-IMPLS = ("jax_dmattn", "cudnn", "xla")
-NAMES = {"jax_dmattn": "jax_dmattn", "cudnn": "cuDNN", "xla": "xla"}
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "cudnn", "xla")
+NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
+         "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
 JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
@@ -129,9 +131,15 @@ def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
 
 # ---- timing cells ---------------------------------------------------------------------------
 
-def attention_fn(impl: str, causal: bool, ours: str | None) -> Callable:
-    """(q, k, v, mask, bias) → out for one implementation."""
-    if impl == "jax_dmattn":
+def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None) -> Callable:
+    """(q, k, v, mask, bias) → out for one implementation. With a `window` (the dynamic suite),
+    jax_dmattn is ``dynamic_attention``, which makes its own key lists from the bias and ignores
+    the mask; jax_dmattn_mask is always ``flash_dmattn`` with the mask."""
+    if impl == "jax_dmattn" and window is not None:
+        def attend(q, k, v, mask, bias):
+            return dynamic_attention(q, k, v, bias, window, is_causal=causal,
+                                     implementation=ours)
+    elif impl in ("jax_dmattn", "jax_dmattn_mask"):
         def attend(q, k, v, mask, bias):
             return jax_dmattn.flash_dmattn(q, k, v, mask, bias, is_causal=causal,
                                            implementation=ours)
@@ -153,7 +161,7 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool) -> dict[str, 
     """{"fwd": cell, "fwd+bwd": cell}; a cell is {"ms": …} or {"error": …}, never raises."""
     if impl == "cudnn" and not bench.on_gpu:
         return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
-    attend = attention_fn(impl, causal, bench.ours)
+    attend = attention_fn(impl, causal, bench.ours, inputs.get("window"))
     with_bias = inputs["bias"] is not None
 
     def loss(q, k, v, mask, bias, dout):
@@ -176,7 +184,8 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool) -> dict[str, 
 
 
 def measure(bench: Bench, suite: str, label: str, config: dict, inputs: dict, causal: bool,
-            flops: float, impls=IMPLS, overrides: dict | None = None) -> list[dict]:
+            flops: float, impls=("jax_dmattn", "cudnn", "xla"),
+            overrides: dict | None = None) -> list[dict]:
     """Times every implementation on `inputs` (or its entry of `overrides`): one row per pass.
 
     A row: {"label", "config", "pass", "flops" (of the pass), "results": {impl: cell}}, where a
@@ -257,6 +266,9 @@ def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
     lengths = (256, 512) if bench.quick else (4096, 8192, 16384, 32768)
     generate = jax.jit(lambda bias, window: jax_dmattn.masks.topk_mask(bias, window),
                        static_argnums=1)
+    # dynamic_attention's own mask generation (part of its timed fwd), timed alone for the record
+    key_lists = jax.jit(lambda bias, window: jax_dmattn.masks.topk_block_keys(
+        bias[:, :, 0, :], window, default_query_block(window)), static_argnums=1)
     baseline = jax.jit(topk_mask_reference, static_argnums=1)
     rows = []
     for head_dim in (64, 128):
@@ -277,6 +289,11 @@ def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
                                                    iters=bench.iters), 4)}
             except Exception as error:
                 base_cell = {"error": reason(error)}
+            try:
+                lists_cell = {"ms": round(median_ms(key_lists, bias, window, warmup=bench.warmup,
+                                                    iters=bench.iters), 4), "in_fwd": True}
+            except Exception as error:
+                lists_cell = {"error": reason(error)}
             say(f"[dynamic] {label:34s} {'mask gen':10s} {'':8s} {fmt_cell(mask_cell)}; "
                 f"lax.top_k baseline {fmt_cell(base_cell)}")
             rows.append({"label": label, "config": config, "pass": "mask gen (lax.top_k)",
@@ -286,29 +303,37 @@ def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
                              "results": {impl: mask_cell for impl in IMPLS}})
                 free(bias)
                 continue
-            inputs = {**qkv(batch, length, heads, kv_heads, head_dim), "mask": mask, "bias": bias}
+            inputs = {**qkv(batch, length, heads, kv_heads, head_dim), "mask": mask, "bias": bias,
+                      "window": window}
             # cuDNN needs a bias with full query and key dims: materialised here, outside timing.
             cudnn = {"bias": jnp.broadcast_to(bias, (batch, 1, length, length)).copy()}
             flops = 4.0 * batch * heads * head_dim * kept_pairs_topk(length, window)
             timed = measure(bench, "dynamic", label, config, inputs, True, flops,
-                            overrides={"cudnn": cudnn})
+                            impls=IMPLS, overrides={"cudnn": cudnn})
             mask_row = {"label": label, "config": config, "pass": "mask gen", "flops": 0.0,
                         "results": {}}
             total = {"label": label, "config": config, "pass": "total", "flops": 0.0,
                      "results": {}}
             for impl, cell in timed[1]["results"].items():  # the fwd+bwd cells
                 ran = "skipped" not in cell.get("error", "")
-                mask_row["results"][impl] = mask_cell if ran else cell
-                total["results"][impl] = ({"ms": round(mask_ms + cell["ms"], 4)} if "ms" in cell
+                mask_row["results"][impl] = (lists_cell if impl == "jax_dmattn" else mask_cell
+                                             ) if ran else cell
+                before = 0.0 if impl == "jax_dmattn" else mask_ms  # its fwd made its key lists
+                total["results"][impl] = ({"ms": round(before + cell["ms"], 4)} if "ms" in cell
                                           else cell)
             rows += [mask_row, *timed, total]
             free(inputs, cudnn)
     return rows, [
-        "mask gen: `jax_dmattn.masks.topk_mask` (jitted), timed alone; the same mask feeds every "
-        "implementation; total = mask gen + fwd+bwd; 'mask gen (lax.top_k)' is the baseline "
+        "jax_dmattn is `jax_dmattn.dynamic.dynamic_attention(q, k, v, bias, W)`: its timed fwd "
+        "and fwd+bwd include making its own mask (the key lists of each query block, "
+        "`masks.topk_block_keys`, whose time alone is its 'mask gen' cell); total = fwd+bwd",
+        "the others get the mask of `jax_dmattn.masks.topk_mask` (jitted; 'mask gen', timed "
+        "alone, not part of their fwd); total = mask gen + fwd+bwd; jax_dmattn (dense mask) is "
+        "`flash_dmattn` with that mask; 'mask gen (lax.top_k)' is the baseline "
         "`topk_mask_reference` (jitted `lax.top_k` over the causally masked broadcast [L, L] "
         "scores, then a scatter)",
-        "jax_dmattn and xla take the per-key bias [B, Hk, 1, L] and the mask [B, Hk, L, L]; "
+        "jax_dmattn (dense mask) and xla take the per-key bias [B, Hk, 1, L] and the mask "
+        "[B, Hk, L, L]; "
         "† cuDNN takes the bias materialised to [B, 1, L, L] outside the timed region (its dbias "
         "is then [B, 1, L, L]) and the same mask; all run with is_causal=True",
         "TF/s counts only the kept (query, key) pairs: 4·B·H·D·Σᵢ min(i+1, W) forward, "
@@ -456,15 +481,14 @@ def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict)
 
 def summary(results: dict[str, list[dict]]) -> None:
     say("\nsummary (ms; speedup = cuDNN / jax_dmattn)")
-    say(f"{'suite':10s} {'config':34s} {'pass':9s} {'jax_dmattn':>12s} {'cuDNN':>12s} "
-        f"{'xla':>12s} {'speedup':>8s}")
+    say(f"{'suite':10s} {'config':34s} {'pass':9s} "
+        + " ".join(f"{NAMES[i][:12]:>12s}" for i in IMPLS) + f" {'speedup':>8s}")
     for suite, rows in results.items():
         for r in rows:
             ms = [r["results"].get(i, {}).get("ms") for i in IMPLS]
-            text = [fmt_ms(m) if m is not None else "n/a" for m in ms]
+            text = " ".join(f"{fmt_ms(m) if m is not None else 'n/a':>12s}" for m in ms)
             speedup = f"{r['speedup_vs_cudnn']:.2f}×" if r.get("speedup_vs_cudnn") else "n/a"
-            say(f"{suite:10s} {r['label']:34s} {r['pass']:9s} {text[0]:>12s} {text[1]:>12s} "
-                f"{text[2]:>12s} {speedup:>8s}")
+            say(f"{suite:10s} {r['label']:34s} {r['pass']:9s} {text} {speedup:>8s}")
 
 
 def main() -> None:

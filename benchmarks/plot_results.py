@@ -15,9 +15,11 @@ import math
 import sys
 from pathlib import Path
 
-IMPLS = ("jax_dmattn", "cudnn", "xla")
-NAMES = {"jax_dmattn": "jax_dmattn", "cudnn": "cuDNN", "xla": "xla (jax.nn)"}
-COLORS = {"jax_dmattn": "tab:blue", "cudnn": "tab:green", "xla": "tab:gray"}
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "cudnn", "xla")
+NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
+         "cudnn": "cuDNN", "xla": "xla (jax.nn)"}
+COLORS = {"jax_dmattn": "tab:blue", "jax_dmattn_mask": "tab:cyan", "cudnn": "tab:green",
+          "xla": "tab:gray"}
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -62,14 +64,17 @@ def grouped_bars(plt, rows: list[dict]):
 def stacked_bars(plt, rows: list[dict]):
     """Per config and implementation: mask generation + forward + backward, stacked (ms)."""
     impls, labels = impls_of(rows), configs_of(rows)
-    hatches = {"jax_dmattn": "", "cudnn": "//", "xla": ".."}
+    hatches = {"jax_dmattn": "", "jax_dmattn_mask": "xx", "cudnn": "//", "xla": ".."}
     segments = (("mask gen", "tab:orange"), ("fwd", "tab:blue"), ("bwd", "tab:purple"))
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels) + 3), 6))
     width = 0.8 / len(impls)
     for n, impl in enumerate(impls):
         for i, label in enumerate(labels):
-            mask_ms = value(row_of(rows, label, "mask gen"), impl)
+            mask_row = row_of(rows, label, "mask gen")
+            mask_ms = value(mask_row, impl)
             fwd = value(row_of(rows, label, "fwd"), impl)
+            if mask_row and mask_row["results"].get(impl, {}).get("in_fwd"):
+                fwd -= mask_ms  # its fwd made its own mask: stack that part once
             bwd = value(row_of(rows, label, "fwd+bwd"), impl) - fwd
             x = i + (n - (len(impls) - 1) / 2) * width
             if any(math.isnan(t) for t in (mask_ms, fwd, bwd)):

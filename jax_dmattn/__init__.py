@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jax_dmattn import context_parallel, masks, reference
+from jax_dmattn import context_parallel, dynamic, masks, reference
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
+from jax_dmattn.dynamic import dynamic_attention
 from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams
 
 try:
@@ -32,6 +33,8 @@ __all__ = [
     "available_implementations",
     "context_parallel",
     "dot_product_attention",
+    "dynamic",
+    "dynamic_attention",
     "flash_dmattn",
     "masks",
     "reference",

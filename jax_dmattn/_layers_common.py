@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jax_dmattn import masks
 from jax_dmattn.attention import flash_dmattn
+from jax_dmattn.dynamic import dynamic_attention
 
 Projection = Callable[[jax.Array], jax.Array]
 
@@ -118,19 +119,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: in
 
     Args:
       q: ``[B, L, H, D]``; k, v: ``[B, L, Hk, D]``; bias: ``[B, Hk, 1, L]``.
-      window: keys kept per query row (the mask is skipped when ``window >= L``, where it would
-        keep every visible key).
+      window: keys kept per query row; attention runs over each query block's compacted keys
+        (:func:`jax_dmattn.dynamic.dynamic_attention`).
       implementation: passed to :func:`flash_dmattn`.
 
     Returns:
       ``[B, L, H·D]`` in q's dtype.
     """
     batch, length, heads, head_dim = q.shape
-    mask = None
-    if window < length:
-        mask = masks.topk_mask(jax.lax.stop_gradient(bias), window, is_causal=True,
-                               seqlen_q=length)
-    out = flash_dmattn(q, k, v, mask, bias, is_causal=True, implementation=implementation)
+    out = dynamic_attention(q, k, v, bias, window, implementation=implementation)
     return out.reshape(batch, length, heads * head_dim)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "block_mask",
     "causal_mask",
     "padding_mask",
+    "topk_block_keys",
     "topk_key_ranges",
     "topk_mask",
     "window_mask",
@@ -390,6 +391,78 @@ def _topk_key_ranges(s: jax.Array, v: jax.Array | None, *, window: int,
     if v is not None:
         end = jnp.where(v, end, first)
     return first.reshape(s.shape), end.reshape(s.shape)
+
+
+def topk_block_keys(
+    scores: jax.Array,
+    window: int,
+    block: int,
+    *,
+    is_causal: bool = True,
+    seqlen_q: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The keys each block of query rows needs under the dynamic mask of per-key scores.
+
+    Every key is kept over one contiguous run of rows (:func:`topk_key_ranges`), so a block of
+    `block` consecutive rows sees at most ``window + block - 1`` distinct keys with causality (the
+    `window` of its first row and one newcomer per later row) and at most `window` without. This
+    lists them, so that attention can run over a compact key axis (``jax_dmattn.dynamic``).
+
+    Args:
+      scores: per-key scores ``[..., Lk]`` (every leading dim is a batch dim); the rules of
+        :func:`topk_mask` (ties to the lower index, NaN as ``-inf``).
+      window: static int ``>= 1``, keys kept per row.
+      block: static int ``>= 1``, rows per query block; the last block may be partial.
+      is_causal: bottom-right aligned causality, as in :func:`topk_mask`.
+      seqlen_q: Lq (default Lk).
+
+    Returns:
+      ``(keys, first_row, end_row)``, int32 ``[..., nb, U]`` with ``nb = ceil(Lq / block)`` and
+      ``U = min(window + block - 1, Lk)`` (``min(window, Lk)`` without causality): block ``n``
+      needs keys ``keys[..., n, :]`` (ascending), and row ``i`` keeps the listed key ``u`` iff
+      ``first_row[..., n, u] <= i < end_row[..., n, u]``. Unused slots hold key 0 with
+      ``first_row == end_row`` (kept by no row).
+    """
+    s = _check_scores(scores)
+    window = _check_int(window, "window", 1)
+    block = _check_int(block, "block", 1)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+    lq = s.shape[-1] if seqlen_q is None else _check_int(seqlen_q, "seqlen_q", 1)
+    return _topk_block_keys(s, window=window, block=block, is_causal=bool(is_causal),
+                            seqlen_q=lq)
+
+
+@partial(jax.jit, static_argnames=("window", "block", "is_causal", "seqlen_q"))
+def _topk_block_keys(s: jax.Array, *, window: int, block: int, is_causal: bool,
+                     seqlen_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    lq, lk = seqlen_q, s.shape[-1]
+    if is_causal:
+        first, end = _topk_key_ranges(s, None, window=window, seqlen_q=lq)
+        size = min(window + block - 1, lk)
+    else:
+        kept = _ranks(_order_key(s).reshape(-1, lk)).reshape(s.shape) < window
+        first = jnp.zeros(s.shape, jnp.int32)
+        end = jnp.where(kept, lq, 0)
+        size = min(window, lk)
+    num_blocks = -(-lq // block)
+    first = first.reshape(-1, 1, lk)
+    end = end.reshape(-1, 1, lk)
+    start = lax.broadcasted_iota(jnp.int32, (1, num_blocks, 1), 1) * block
+    seen = (first < start + block) & (end > start) & (first < end)  # [n, nb, Lk]
+    slot = jnp.where(seen, _exclusive_cumsum(seen)[..., :lk], size)  # `size`: dropped below
+    n = seen.shape[0]
+    batch = lax.broadcasted_iota(jnp.int32, seen.shape, 0)
+    row = lax.broadcasted_iota(jnp.int32, seen.shape, 1)
+    col = lax.broadcasted_iota(jnp.int32, seen.shape, 2)
+    keys = jnp.full((n, num_blocks, size), -1, jnp.int32).at[batch, row, slot].set(
+        col, mode="drop")
+    used = keys >= 0
+    keys = jnp.maximum(keys, 0)
+    first_row = jnp.where(used, jnp.take_along_axis(first, keys, axis=2), lq)
+    end_row = jnp.where(used, jnp.take_along_axis(end, keys, axis=2), lq)
+    out_shape = (*s.shape[:-1], num_blocks, size)
+    return keys.reshape(out_shape), first_row.reshape(out_shape), end_row.reshape(out_shape)
 
 
 # ---- static masks -----------------------------------------------------------------------------
