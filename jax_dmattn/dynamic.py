@@ -65,8 +65,9 @@ def dynamic_attention(
     block = _query_block(query_block, window, dims.seqlen_q, is_causal)
     options = dict(scale=scale, softcap=softcap, deterministic=deterministic,
                    implementation=implementation)
-    compact = min(window + block - 1 if is_causal else window, dims.seqlen_k)
-    if compact == dims.seqlen_k:  # every key is needed somewhere: nothing to compact
+    listed = min(window + block - 1 if is_causal else window, dims.seqlen_k)
+    compact = -(-listed // _KEY_ALIGN) * _KEY_ALIGN
+    if compact >= dims.seqlen_k:  # (about) every key is needed somewhere: nothing to compact
         mask = None
         if window < dims.seqlen_k:
             mask = masks.topk_mask(jax.lax.stop_gradient(bias), window, is_causal=is_causal,
@@ -76,7 +77,11 @@ def dynamic_attention(
 
     keys, first_row, end_row = masks.topk_block_keys(
         jax.lax.stop_gradient(bias[:, :, 0, :]), window, block, is_causal=is_causal,
-        seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, nb, U]
+        seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, nb, listed]
+    pad = [(0, 0)] * 3 + [(0, compact - listed)]  # slots that no row keeps
+    keys = jnp.pad(keys, pad)
+    first_row, end_row = (jnp.pad(x, pad, constant_values=dims.seqlen_q)
+                          for x in (first_row, end_row))
     num_blocks = keys.shape[2]
     keys = jnp.broadcast_to(keys, (dims.batch, *keys.shape[1:]))
     rows = (jnp.arange(num_blocks, dtype=jnp.int32)[:, None] * block
@@ -92,6 +97,11 @@ def dynamic_attention(
         return out
     lse = lse.reshape(dims.batch, num_blocks, dims.heads, block).transpose(0, 2, 1, 3)
     return out, lse.reshape(dims.batch, dims.heads, num_blocks * block)[..., :dims.seqlen_q]
+
+
+# The compact key axis is padded to a multiple of this: whole key tiles, and mask rows aligned for
+# the kernels' 16-byte loads.
+_KEY_ALIGN = 64
 
 
 def _check_bias(bias, dims: Dims) -> jax.Array:
@@ -127,21 +137,27 @@ def _blocks_of_queries(q: jax.Array, block: int, num_blocks: int) -> jax.Array:
     return q.reshape(batch * num_blocks, block, heads, head_dim)
 
 
+def _gather(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """``take_along_axis`` whose gradient sums in float32: a key's gradient is the sum of its
+    parts from every block that lists it, which half precision would round at each step."""
+    gathered = jnp.take_along_axis(x.astype(jnp.float32), index, axis=axis,
+                                   mode="promise_in_bounds")
+    return gathered.astype(x.dtype)
+
+
 def _gather_keys(x: jax.Array, keys: jax.Array) -> jax.Array:
     """``x [B, Lk, Hk, D]``, keys ``[B, Hk|1, nb, U]`` → ``[B · nb, U, Hk, D]``."""
     batch, _, kv_heads, head_dim = x.shape
     _, key_heads, num_blocks, size = keys.shape
     index = keys.transpose(0, 2, 3, 1).reshape(batch, num_blocks * size, key_heads, 1)
-    gathered = jnp.take_along_axis(x, index, axis=1, mode="promise_in_bounds")
-    return gathered.reshape(batch * num_blocks, size, kv_heads, head_dim)
+    return _gather(x, index, 1).reshape(batch * num_blocks, size, kv_heads, head_dim)
 
 
 def _gather_bias(bias: jax.Array, keys: jax.Array) -> jax.Array:
     """``bias [B|1, Hk|1, 1, Lk]``, keys ``[B, Hk|1, nb, U]`` → ``[B, Hk|1, nb, 1, U]``."""
     _, key_heads, num_blocks, size = keys.shape
     index = keys[: bias.shape[0]].reshape(bias.shape[0], key_heads, 1, num_blocks * size)
-    gathered = jnp.take_along_axis(bias, index, axis=3, mode="promise_in_bounds")
-    return gathered.reshape(bias.shape[0], key_heads, num_blocks, 1, size)
+    return _gather(bias, index, 3).reshape(bias.shape[0], key_heads, num_blocks, 1, size)
 
 
 def _per_block(x: jax.Array, batch: int) -> jax.Array:

@@ -124,8 +124,14 @@ def _ranks(key: jax.Array) -> jax.Array:
     lower index. int32 ``[n, L]``, a permutation of ``0..L-1`` per row."""
     iota = lax.broadcasted_iota(jnp.int32, key.shape, 1)
     _, order = lax.sort((lax.bitwise_not(key), iota), dimension=1, num_keys=1, is_stable=True)
-    _, rank = lax.sort((order, iota), dimension=1, num_keys=1)  # the inverse permutation
-    return rank
+    return _scatter_rows(iota, order)  # the inverse permutation
+
+
+def _scatter_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``out[:, index[:, i]] = x[:, i]`` for ``[n, L]`` arrays, `index` a permutation per row
+    (a scatter: much cheaper than a sort on accelerators)."""
+    rows = lax.broadcasted_iota(jnp.int32, index.shape, 0)
+    return jnp.zeros_like(x).at[rows, index].set(x, unique_indices=True)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -161,8 +167,8 @@ def _prefix_kth(values: jax.Array, k: int) -> jax.Array:
 
     `values` ``[n, L]`` int32 holds a permutation of ``0..L-1`` per row. A wavelet matrix with
     ``R = 2**_RADIX_BITS``-way levels answers all L prefix quantile queries at once; each of the
-    ``ceil(log2(L) / _RADIX_BITS)`` levels costs one stable sort of ``[n, L]`` (building) and
-    O(n·L·R) elementwise work and gathers (building and querying)."""
+    ``ceil(log2(L) / _RADIX_BITS)`` levels costs a digit count (a cumsum), a stable partition by
+    digit (one scatter, placed by that count) and O(n·L·R) elementwise work and gathers."""
     n, length = values.shape
     bits = max(1, (length - 1).bit_length())
     num_levels = -(-bits // _RADIX_BITS)
@@ -175,9 +181,15 @@ def _prefix_kth(values: jax.Array, k: int) -> jax.Array:
         shift = (num_levels - 1 - level) * _RADIX_BITS
         d = (cur >> shift) & (radix - 1)  # [n, L]
         # table[:, r, i]: how many of cur[:, :i] have a digit <= r  ([n, R, L+1])
-        tables.append((shift, _exclusive_cumsum((d[:, None, :] <= digits).astype(jnp.int32))))
+        table = _exclusive_cumsum((d[:, None, :] <= digits).astype(jnp.int32))
+        tables.append((shift, table))
         if level + 1 < num_levels:  # stable partition by digit: the next level's order
-            _, cur = lax.sort((d, cur), dimension=1, num_keys=1, is_stable=True)
+            # entry i goes after every entry of a smaller digit and the earlier ones of its own
+            before, totals = table[:, :, :length], jnp.broadcast_to(table[:, :, length:],
+                                                                    (n, radix, length))
+            position = (_select(totals, d - 1, digits) + _select(before, d, digits)
+                        - _select(before, d - 1, digits))
+            cur = _scatter_rows(cur, position)
 
     # Query [lo, hi) = [0, t+1) for every t at once, descending one digit per level.
     lo = jnp.zeros((n, length), jnp.int32)

@@ -17,7 +17,7 @@ from test_masks import KINDS, assert_mask_equal, make_scores, reference_topk
 
 import jax_dmattn
 from jax_dmattn import masks
-from jax_dmattn.dynamic import dynamic_attention
+from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 CPU_IMPL = "cpu" if "cpu" in jax_dmattn.available_implementations() else "xla"
 
@@ -74,6 +74,7 @@ class DynCase:
     softcap: float | None = None
     dtype: str = "float32"
     score_kind: str = "normal"
+    compact: bool = True  # expected to run over compacted keys (else flash_dmattn as is)
 
     def id(self) -> str:
         return (f"B{self.B}-q{self.Lq}-k{self.Lk}-h{self.H}kv{self.Hk}-d{self.D}-w{self.window}"
@@ -87,15 +88,16 @@ class DynCase:
 
 
 CPU_CASES = [
-    DynCase(),
-    DynCase(Lk=130, bias_shape="B,1", block=24),  # Lq < Lk, one key list for every head
-    DynCase(B=1, Lq=130, Lk=70, H=2, Hk=1, window=9, bias_shape="1,Hk"),  # Lq > Lk: empty rows
+    DynCase(Lq=200, Lk=200, block=16),
+    DynCase(Lk=230, bias_shape="B,1", block=24),  # Lq < Lk, one key list for every head
+    DynCase(B=1, Lq=230, Lk=150, H=2, Hk=1, window=9, bias_shape="1,Hk"),  # Lq > Lk: empty rows
     DynCase(Lq=50, Lk=200, H=4, Hk=4, window=20, causal=False, bias_shape="1,1"),
     DynCase(B=1, Lq=1, Lk=200, H=4, Hk=1, window=20),  # decoding
-    DynCase(Lq=64, Lk=64, H=2, Hk=2, window=100),  # window > Lk: no mask
-    DynCase(Lq=77, Lk=90, window=8, block=16, softcap=5.0, score_kind="tied"),
-    DynCase(Lq=33, Lk=33, window=4, block=3, score_kind="tied"),
+    DynCase(Lq=77, Lk=190, window=8, block=16, softcap=5.0, score_kind="tied"),
+    DynCase(Lq=33, Lk=100, window=4, block=3, score_kind="tied"),
     DynCase(Lq=96, Lk=96, window=8, block=32, dtype="bfloat16"),
+    DynCase(Lq=100, Lk=100, compact=False),  # 79 keys per block of 64 rows: no gain, dense mask
+    DynCase(Lq=64, Lk=64, H=2, Hk=2, window=100, compact=False),  # window > Lk: no mask
 ]
 
 
@@ -169,14 +171,34 @@ def test_matches_reference(case):
     check_dynamic(case, CPU_IMPL)
 
 
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c.id() for c in CPU_CASES])
+def test_compacts_where_it_pays(case):
+    """The kernel gets keys gathered to ``[B·nb, U, Hk, D]`` (U = window + block - 1 rounded up
+    to 64) exactly where U < Lk."""
+    inputs = make_dyn_inputs(case)
+    args = [jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "bias")]
+    text = str(jax.make_jaxpr(lambda q, k, v, b: dynamic_attention(
+        q, k, v, b, case.window, is_causal=case.causal, query_block=case.block,
+        implementation=CPU_IMPL))(*args))
+    block = min(case.block or default_query_block(case.window), case.Lq) if case.causal else (
+        case.Lq)
+    listed = min(case.window + block - 1 if case.causal else case.window, case.Lk)
+    size = -(-listed // 64) * 64
+    assert (size < case.Lk) == case.compact, (size, case.Lk)
+    if case.compact:
+        gathered = f"f32[{case.B * -(-case.Lq // block)},{size},{case.Hk},{case.D}]"
+        assert gathered in text, gathered
+
+
 def test_compacts_keys_under_jit():
-    """The kernel sees ``window + block - 1`` keys per block, not Lk, and no [Lq, Lk] array."""
+    """The kernel sees ``window + block - 1`` keys per block (padded to 64), not Lk, and no
+    [Lq, Lk] array."""
     case = DynCase(B=1, Lq=256, Lk=256, H=2, Hk=1, window=16, block=32)
     inputs = make_dyn_inputs(case)
     args = [jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "bias")]
     text = str(jax.make_jaxpr(lambda q, k, v, b: dynamic_attention(
         q, k, v, b, case.window, query_block=case.block, implementation=CPU_IMPL))(*args))
-    assert "f32[8,47,1,32]" in text, "keys were not gathered into 8 blocks of 47"
+    assert "f32[8,64,1,32]" in text, "keys were not gathered into 8 blocks of 47 (padded to 64)"
     assert "256,256" not in text, "an [Lq, Lk] array was built"
 
 
