@@ -135,25 +135,9 @@ def _scatter_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-    """``out[..., i] = sum(x[..., :i])`` for ``i`` in ``0..L``, int32 ``[..., L+1]``; `x` holds
-    small non-negative integers (here 0/1).
-
-    Two levels of triangular matrix products over blocks of ~sqrt(L): exact (float32 sums of
-    integers below 2**24 with HIGHEST precision), fast on accelerators and much quicker for XLA
-    to compile than a cumsum's reduce_window."""
-    size = x.shape[-1] + 1  # the output length; a leading zero makes the sum exclusive
-    block = math.isqrt(size - 1) + 1
-    num_blocks = -(-size // block)
-    pad = [(0, 0)] * (x.ndim - 1) + [(1, num_blocks * block - size)]
-    xb = jnp.pad(x.astype(jnp.float32), pad).reshape(*x.shape[:-1], num_blocks, block)
-    hi = lax.Precision.HIGHEST
-    within = jnp.einsum("...kb,bc->...kc", xb, jnp.triu(jnp.ones((block, block), jnp.float32)),
-                        precision=hi)
-    before = jnp.einsum("...k,kj->...j", within[..., -1],
-                        jnp.triu(jnp.ones((num_blocks, num_blocks), jnp.float32), 1),
-                        precision=hi)
-    out = (within + before[..., None]).reshape(*x.shape[:-1], num_blocks * block)
-    return out[..., :size].astype(jnp.int32)
+    """``out[..., i] = sum(x[..., :i])`` for ``i`` in ``0..L``, int32 ``[..., L+1]``."""
+    inclusive = jnp.cumsum(x.astype(jnp.int32), axis=-1, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((*x.shape[:-1], 1), jnp.int32), inclusive], axis=-1)
 
 
 def _select(x: jax.Array, index: jax.Array, iota: jax.Array) -> jax.Array:
