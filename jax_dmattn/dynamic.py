@@ -120,7 +120,8 @@ def default_query_block(window: int) -> int:
     """Query rows per compact key list by default: a multiple of 64 near ``window / 2``, at most
     512. Larger blocks mean fewer, longer small problems (the kernels' loops over a block's keys
     and rows get longer, the gathered copies and their gradient sums fewer) but more keys per row
-    (``window + block - 1``); on the H200, 512 rows for window 1024 beat 256 and 1024."""
+    (``window + block - 1``); on the H200, 512 rows for window 1024 were never far from the
+    best of 256, 512 and 1024 (benchmarks/results/dynamic_blocks.md)."""
     return min(512, 64 * max(1, round(window / 128)))
 
 
