@@ -121,7 +121,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: in
       q: ``[B, L, H, D]``; k, v: ``[B, L, Hk, D]``; bias: ``[B, Hk, 1, L]``.
       window: keys kept per query row; attention runs over each query block's compacted keys
         (:func:`jax_dmattn.dynamic.dynamic_attention`).
-      implementation: passed to :func:`flash_dmattn`.
+      implementation: passed to :func:`dynamic_attention`.
 
     Returns:
       ``[B, L, H·D]`` in q's dtype.
