@@ -74,7 +74,10 @@ def stacked_bars(plt, rows: list[dict]):
             mask_ms = value(mask_row, impl)
             fwd = value(row_of(rows, label, "fwd"), impl)
             if mask_row and mask_row["results"].get(impl, {}).get("in_fwd"):
-                fwd -= mask_ms  # its fwd made its own mask: stack that part once
+                # its fwd made its own mask: stack that part once (timed alone, it can exceed
+                # the fwd by the run-to-run spread)
+                mask_ms = min(mask_ms, fwd)
+                fwd -= mask_ms
             bwd = value(row_of(rows, label, "fwd+bwd"), impl) - fwd
             x = i + (n - (len(impls) - 1) / 2) * width
             if any(math.isnan(t) for t in (mask_ms, fwd, bwd)):
