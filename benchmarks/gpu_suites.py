@@ -173,14 +173,18 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool) -> dict[str, 
         "fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4) if with_bias
                                                else (0, 1, 2))), [*args, inputs["dout"]]),
     }
-    cells = {}
-    for name, (fn, fn_args) in passes.items():
-        try:
-            cells[name] = {"ms": median_ms(fn, *fn_args, warmup=bench.warmup, iters=bench.iters)}
-        except Exception as error:  # one failing baseline must not stop the run
-            cells[name] = {"error": reason(error)}
+    cells = {name: time_cell(bench, fn, *fn_args) for name, (fn, fn_args) in passes.items()}
     jax.clear_caches()
     return cells
+
+
+def time_cell(bench: Bench, fn: Callable, *args) -> dict:
+    """{"ms": median ms of ``fn(*args)``} or {"error": why}: one failing cell must not stop the
+    run."""
+    try:
+        return {"ms": round(median_ms(fn, *args, warmup=bench.warmup, iters=bench.iters), 4)}
+    except Exception as error:
+        return {"error": reason(error)}
 
 
 def measure(bench: Bench, suite: str, label: str, config: dict, inputs: dict, causal: bool,
@@ -277,23 +281,13 @@ def suite_dynamic(bench: Bench) -> tuple[list[dict], list[str]]:
             config = dict(B=batch, L=length, H=heads, Hk=kv_heads, D=head_dim, causal=True,
                           window=window)
             bias = normal(7, (batch, kv_heads, 1, length))
-            try:
-                mask_ms = round(median_ms(generate, bias, window, warmup=bench.warmup,
-                                          iters=bench.iters), 4)
-                mask_cell = {"ms": mask_ms}
-                mask = generate(bias, window)
-            except Exception as error:
-                mask_cell, mask = {"error": reason(error)}, None
-            try:
-                base_cell = {"ms": round(median_ms(baseline, bias, window, warmup=bench.warmup,
-                                                   iters=bench.iters), 4)}
-            except Exception as error:
-                base_cell = {"error": reason(error)}
-            try:
-                lists_cell = {"ms": round(median_ms(key_lists, bias, window, warmup=bench.warmup,
-                                                    iters=bench.iters), 4), "in_fwd": True}
-            except Exception as error:
-                lists_cell = {"error": reason(error)}
+            mask_cell = time_cell(bench, generate, bias, window)
+            mask_ms = mask_cell.get("ms")
+            mask = generate(bias, window) if mask_ms is not None else None
+            base_cell = time_cell(bench, baseline, bias, window)
+            lists_cell = time_cell(bench, key_lists, bias, window)
+            if "ms" in lists_cell:
+                lists_cell["in_fwd"] = True
             say(f"[dynamic] {label:34s} {'mask gen':10s} {'':8s} {fmt_cell(mask_cell)}; "
                 f"lax.top_k baseline {fmt_cell(base_cell)}")
             rows.append({"label": label, "config": config, "pass": "mask gen (lax.top_k)",
