@@ -10,6 +10,8 @@ import numpy as np
 
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
+TOPK_LEAVE_TARGET = "dmattn_topk_leave"
+SUM_LISTED_KEYS_TARGET = "dmattn_sum_listed_keys"
 
 
 @functools.cache
@@ -128,6 +130,24 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
                  q.ndim - 3, opts.ffi_attributes(params), extra)
     return outs[:len(grads)]
+
+
+def call_topk_leave(key, window: int):
+    """The CUDA dynamic-mask kernel (csrc/cuda/dynamic_mask.h): int32 ``[n, Lk]`` order keys
+    -> int32 ``[n, Lk]`` leave positions."""
+    register_targets()
+    result = jax.ShapeDtypeStruct(key.shape, np.int32)
+    return jax.ffi.ffi_call(TOPK_LEAVE_TARGET, result)(key, window=np.int64(window))
+
+
+def call_sum_listed_keys(grad, keys, spans):
+    """The listed-keys gradient sum (csrc/common/params.h, ListedKeysShape): grad
+    ``[*B, nb, U, C, D]``, keys ``[*B, Cc, nb, U]``, spans ``[*B, Cc, 2, Lk]`` ->
+    ``[*B, Lk, C, D]`` in grad's dtype."""
+    register_targets()
+    *lead, _, _, channels, dim = grad.shape
+    result = jax.ShapeDtypeStruct((*lead, spans.shape[-1], channels, dim), grad.dtype)
+    return jax.ffi.ffi_call(SUM_LISTED_KEYS_TARGET, result)(grad, keys, spans)
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The

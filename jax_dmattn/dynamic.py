@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dmattn import masks, validation
+from jax_dmattn import masks, ops, validation
 from jax_dmattn.attention import flash_dmattn
 from jax_dmattn.validation import Dims
 
@@ -75,21 +75,28 @@ def dynamic_attention(
         return flash_dmattn(q, k, v, mask, bias, is_causal=is_causal, return_lse=return_lse,
                             **options)
 
-    keys, first_row, end_row = masks.topk_block_keys(
-        jax.lax.stop_gradient(bias[:, :, 0, :]), window, block, is_causal=is_causal,
-        seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, nb, listed]
+    scores = jax.lax.stop_gradient(bias[:, :, 0, :])
+    first, end = masks.key_ranges(scores, window=window, is_causal=is_causal,
+                                  seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, Lk]
+    keys, first_row, end_row = masks.list_block_keys(
+        first, end, block=block, size=listed, seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, nb, listed]
     pad = [(0, 0)] * 3 + [(0, compact - listed)]  # slots that no row keeps
-    keys = jnp.pad(keys, pad)
+    keys = jnp.pad(keys, pad, mode="edge")  # still sorted
     first_row, end_row = (jnp.pad(x, pad, constant_values=dims.seqlen_q)
                           for x in (first_row, end_row))
     num_blocks = keys.shape[2]
-    keys = jnp.broadcast_to(keys, (dims.batch, *keys.shape[1:]))
+    # The blocks that list each key: those its rows [first, end) overlap.
+    start = first // block
+    spans = jnp.stack([start, jnp.where(first < end, (end - 1) // block + 1, start)], axis=2)
     rows = (jnp.arange(num_blocks, dtype=jnp.int32)[:, None] * block
             + jnp.arange(block, dtype=jnp.int32))[:, :, None]  # [nb, Bq, 1]
     mask = (first_row[:, :, :, None, :] <= rows) & (rows < end_row[:, :, :, None, :])
+    kv_keys = jnp.broadcast_to(keys, (dims.batch, *keys.shape[1:]))
+    kv_spans = jnp.broadcast_to(spans, (dims.batch, *spans.shape[1:]))
     out, lse = flash_dmattn(
-        _blocks_of_queries(q, block, num_blocks), _gather_keys(k, keys), _gather_keys(v, keys),
-        _per_block(mask, dims.batch), _per_block(_gather_bias(bias, keys), dims.batch),
+        _blocks_of_queries(q, block, num_blocks), _take_listed(k, kv_keys, kv_spans),
+        _take_listed(v, kv_keys, kv_spans), _per_block(mask, dims.batch),
+        _per_block(_take_listed_bias(bias, keys, spans), dims.batch),
         return_lse=True, **options)
     out = out.reshape(dims.batch, num_blocks * block, dims.heads, dims.head_dim)
     out = out[:, :dims.seqlen_q]
@@ -140,27 +147,42 @@ def _blocks_of_queries(q: jax.Array, block: int, num_blocks: int) -> jax.Array:
     return q.reshape(batch * num_blocks, block, heads, head_dim)
 
 
-def _gather(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
-    """``take_along_axis`` whose gradient sums in float32: a key's gradient is the sum of its
-    parts from every block that lists it, which half precision would round at each step."""
-    gathered = jnp.take_along_axis(x.astype(jnp.float32), index, axis=axis,
-                                   mode="promise_in_bounds")
-    return gathered.astype(x.dtype)
+@jax.custom_vjp
+def _take_listed(x: jax.Array, keys: jax.Array, spans: jax.Array) -> jax.Array:
+    """``x [B, Lk, C, D]``, keys ``[B, C|1, nb, U]`` -> ``[B · nb, U, C, D]``: block n's keys.
+
+    spans ``[B, C|1, 2, Lk]``: the blocks that list each key, for the gradient, which
+    :func:`ops.sum_listed_keys` sums back onto the keys in float32 (half precision would round
+    at each of a key's blocks; an XLA scatter-add of float32 was 5x slower on the H200)."""
+    batch, _, channels, dim = x.shape
+    _, key_channels, num_blocks, size = keys.shape
+    index = keys.transpose(0, 2, 3, 1).reshape(batch, num_blocks * size, key_channels, 1)
+    taken = jnp.take_along_axis(x, index, axis=1, mode="promise_in_bounds")
+    return taken.reshape(batch * num_blocks, size, channels, dim)
 
 
-def _gather_keys(x: jax.Array, keys: jax.Array) -> jax.Array:
-    """``x [B, Lk, Hk, D]``, keys ``[B, Hk|1, nb, U]`` → ``[B · nb, U, Hk, D]``."""
-    batch, _, kv_heads, head_dim = x.shape
-    _, key_heads, num_blocks, size = keys.shape
-    index = keys.transpose(0, 2, 3, 1).reshape(batch, num_blocks * size, key_heads, 1)
-    return _gather(x, index, 1).reshape(batch * num_blocks, size, kv_heads, head_dim)
+def _take_listed_fwd(x, keys, spans):
+    return _take_listed(x, keys, spans), (keys, spans)
 
 
-def _gather_bias(bias: jax.Array, keys: jax.Array) -> jax.Array:
-    """``bias [B|1, Hk|1, 1, Lk]``, keys ``[B, Hk|1, nb, U]`` → ``[B, Hk|1, nb, 1, U]``."""
-    _, key_heads, num_blocks, size = keys.shape
-    index = keys[: bias.shape[0]].reshape(bias.shape[0], key_heads, 1, num_blocks * size)
-    return _gather(bias, index, 3).reshape(bias.shape[0], key_heads, num_blocks, 1, size)
+def _take_listed_bwd(residuals, grad):
+    keys, spans = residuals
+    batch, _, num_blocks, size = keys.shape
+    grad = grad.reshape(batch, num_blocks, size, *grad.shape[2:])
+    return ops.sum_listed_keys(grad, keys, spans), None, None
+
+
+_take_listed.defvjp(_take_listed_fwd, _take_listed_bwd)
+
+
+def _take_listed_bias(bias: jax.Array, keys: jax.Array, spans: jax.Array) -> jax.Array:
+    """``bias [B|1, Hk|1, 1, Lk]``, keys ``[B|1, Hk|1, nb, U]`` -> ``[B|1, Hk|1, nb, 1, U]``."""
+    batch, key_heads, _, seqlen_k = bias.shape
+    per_key = bias.reshape(batch, key_heads, seqlen_k).transpose(0, 2, 1)[..., None]
+    taken = _take_listed(per_key, keys, spans)  # [B|1 · nb, U, Hk|1, 1]
+    num_blocks, size = keys.shape[2:]
+    taken = taken.reshape(batch, num_blocks, size, key_heads).transpose(0, 3, 1, 2)
+    return taken[:, :, :, None, :]
 
 
 def _per_block(x: jax.Array, batch: int) -> jax.Array:

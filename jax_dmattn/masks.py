@@ -10,10 +10,12 @@ largest score among the keys that row may see. With a per-key score (the paper's
 ``[B, Hk, 1, Lk]``, computed from the values) and causality, a key that leaves the top-``window``
 of a row never comes back in a later row: later rows see a superset of keys, and newcomers can
 only push it further down. So each key ``j`` is selected over one contiguous run of rows, and the
-whole ``[Lq, Lk]`` mask is described by O(Lk) numbers (:func:`topk_key_ranges`). They come from
-a ranking sort and prefix order-statistic queries on a radix-16 wavelet matrix (O(Lk log Lk) work
-in a handful of vectorised steps, no loop over the sequence); the only O(Lq·Lk) work is the final
-elementwise comparison that writes the mask. The slow baseline, ``lax.top_k`` over the masked
+whole ``[Lq, Lk]`` mask is described by O(Lk) numbers (:func:`topk_key_ranges`): where each key
+leaves (the position of its `window`-th better key). On GPUs a CUDA kernel finds them (one warp
+per key scans its row until that key, ``csrc/cuda/dynamic_mask.cu``); elsewhere a ranking sort and
+prefix order-statistic queries on a radix-16 wavelet matrix do (O(Lk log Lk) work in a handful of
+vectorised steps, no loop over the sequence). The only O(Lq·Lk) work is the final elementwise
+comparison that writes the mask. The slow baseline, ``lax.top_k`` over the masked
 ``[Lq, Lk]`` scores, is kept for the general case (per-(query, key) scores, or a ``valid`` mask
 whose key pattern differs between rows).
 """
@@ -27,8 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from jax_dmattn import reference
+from jax_dmattn import _ffi, reference
 from jax_dmattn.params import AttentionParams
 from jax_dmattn.validation import as_array
 
@@ -209,17 +214,56 @@ def _per_key(s: jax.Array, lead: tuple[int, ...], valid: jax.Array | None):
     return jnp.where(v, key, _sentinel(key)), v
 
 
-def _leave_row(rank: jax.Array, window: int) -> jax.Array:
-    """``end[:, j]``: the first prefix end t (key coordinates) at which key j is no longer among
-    the `window` best of keys ``0..t``; Lk if it never leaves."""
-    n, lk = rank.shape
+def _leave_positions(key: jax.Array, window: int) -> jax.Array:
+    """``leave[:, j]`` for order keys ``[n, Lk]``: the index of the `window`-th key that beats key
+    j (a larger key, or an equal one at a lower index), Lk when fewer do. Key j is among the
+    `window` best of keys ``0..t`` exactly for ``j <= t < leave[:, j]``. int32 ``[n, Lk]``."""
+    n, lk = key.shape
     if window >= lk:
         return jnp.full((n, lk), lk, jnp.int32)
+    return _leave_p.bind(key, window=window)
+
+
+def _leave_positions_xla(key: jax.Array, *, window: int) -> jax.Array:
+    rank = _ranks(key)
+    n, lk = rank.shape
     theta = _prefix_kth(rank, window - 1)  # non-increasing in t, values in [0, Lk]
     rows = lax.broadcasted_iota(jnp.int32, (n, lk), 0)
     hist = jnp.zeros((n, lk + 1), jnp.int32).at[rows, theta].add(1)
     at_least = jnp.flip(jnp.cumsum(jnp.flip(hist, axis=1), axis=1, dtype=jnp.int32), axis=1)
     return jnp.take_along_axis(at_least, rank, axis=1)  # #{t : theta[t] >= rank[j]}
+
+
+# The leave positions are a primitive so that GPUs run the CUDA kernel instead of the ~60 small
+# XLA kernels of the wavelet matrix.
+_leave_p = Primitive("dmattn_topk_leave")
+_leave_p.def_impl(partial(dispatch.apply_primitive, _leave_p))
+_leave_p.def_abstract_eval(lambda key, *, window: key.update(dtype=jnp.int32, weak_type=False))
+
+
+def _leave_jvp(primals, tangents, *, window):
+    leave = _leave_p.bind(*primals, window=window)
+    return leave, ad.Zero.from_primal_value(leave)  # integer positions: no tangent
+
+
+def _leave_batch(args, dims, *, window):
+    key = jnp.moveaxis(args[0], dims[0], 0)
+    size, n, lk = key.shape
+    return _leave_p.bind(key.reshape(size * n, lk), window=window).reshape(size, n, lk), 0
+
+
+def _leave_cuda_lowering(ctx, key, *, window):
+    if ctx.avals_in[0].dtype == jnp.int32 and _ffi.has_cuda_kernels():
+        fn = partial(_ffi.call_topk_leave, window=window)
+    else:  # int64 keys (float64 scores), or a build without CUDA kernels
+        fn = partial(_leave_positions_xla, window=window)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, key)
+
+
+ad.primitive_jvps[_leave_p] = _leave_jvp
+batching.primitive_batchers[_leave_p] = _leave_batch
+mlir.register_lowering(_leave_p, mlir.lower_fun(_leave_positions_xla, multiple_results=False))
+mlir.register_lowering(_leave_p, _leave_cuda_lowering, platform="cuda")
 
 
 # ---- the dynamic mask -------------------------------------------------------------------------
@@ -303,14 +347,11 @@ def _topk_mask(s: jax.Array, v: jax.Array | None, *, window: int, is_causal: boo
         n = key.shape[0]
         if window >= lk:
             keep = jnp.ones((n, 1, lk), jnp.bool_)
+        elif is_causal:
+            t = jnp.clip(jnp.arange(lq, dtype=jnp.int32) + offset, 0, lk - 1)  # prefix ends
+            keep = t[:, None] < _leave_positions(key, window)[:, None, :]  # [n, Lq, Lk]
         else:
-            rank = _ranks(key)[:, None, :]  # [n, 1, Lk]
-            if is_causal:
-                theta = _prefix_kth(rank[:, 0, :], window - 1)  # [n, Lk] per prefix end
-                t = jnp.clip(jnp.arange(lq, dtype=jnp.int32) + offset, 0, lk - 1)
-                keep = rank <= theta[:, t][:, :, None]  # [n, Lq, Lk]
-            else:
-                keep = rank < window
+            keep = (_ranks(key) < window)[:, None, :]
         if is_causal:
             keep = keep & (cols <= rows + offset)
         if kv is not None:
@@ -382,7 +423,7 @@ def _topk_key_ranges(s: jax.Array, v: jax.Array | None, *, window: int,
     offset = lk - lq
     j = lax.broadcasted_iota(jnp.int32, key.shape, 1)
     first = jnp.clip(j - offset, 0, lq)
-    leave = _leave_row(_ranks(key), window)
+    leave = _leave_positions(key, window)
     end = jnp.clip(leave - offset, first, lq)
     if v is not None:
         end = jnp.where(v, end, first)
@@ -416,8 +457,8 @@ def topk_block_keys(
       ``(keys, first_row, end_row)``, int32 ``[..., nb, U]`` with ``nb = ceil(Lq / block)`` and
       ``U = min(window + block - 1, Lk)`` (``min(window, Lk)`` without causality): block ``n``
       needs keys ``keys[..., n, :]`` (ascending), and row ``i`` keeps the listed key ``u`` iff
-      ``first_row[..., n, u] <= i < end_row[..., n, u]``. Unused slots hold key 0 with
-      ``first_row == end_row`` (kept by no row).
+      ``first_row[..., n, u] <= i < end_row[..., n, u]``. Unused slots come last, repeat the
+      last listed key (0 when none) and have ``first_row == end_row`` (kept by no row).
     """
     s = _check_scores(scores)
     window = _check_int(window, "window", 1)
@@ -432,15 +473,28 @@ def topk_block_keys(
 @partial(jax.jit, static_argnames=("window", "block", "is_causal", "seqlen_q"))
 def _topk_block_keys(s: jax.Array, *, window: int, block: int, is_causal: bool,
                      seqlen_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    lq, lk = seqlen_q, s.shape[-1]
+    first, end = key_ranges(s, window=window, is_causal=is_causal, seqlen_q=seqlen_q)
+    size = min(window + block - 1 if is_causal else window, s.shape[-1])
+    return list_block_keys(first, end, block=block, size=size, seqlen_q=seqlen_q)
+
+
+def key_ranges(s: jax.Array, *, window: int, is_causal: bool,
+               seqlen_q: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`topk_key_ranges` of checked per-key scores ``[..., Lk]``, causal or not (then every
+    row keeps the same keys: ``first == 0`` and ``end`` is Lq or 0)."""
     if is_causal:
-        first, end = _topk_key_ranges(s, None, window=window, seqlen_q=lq)
-        size = min(window + block - 1, lk)
-    else:
-        kept = _ranks(_order_key(s).reshape(-1, lk)).reshape(s.shape) < window
-        first = jnp.zeros(s.shape, jnp.int32)
-        end = jnp.where(kept, lq, 0)
-        size = min(window, lk)
+        return _topk_key_ranges(s, None, window=window, seqlen_q=seqlen_q)
+    lk = s.shape[-1]
+    kept = _ranks(_order_key(s).reshape(-1, lk)).reshape(s.shape) < window
+    return jnp.zeros(s.shape, jnp.int32), jnp.where(kept, seqlen_q, 0).astype(jnp.int32)
+
+
+def list_block_keys(first: jax.Array, end: jax.Array, *, block: int, size: int,
+                    seqlen_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Key ranges ``[..., Lk]`` -> :func:`topk_block_keys`' ``(keys, first_row, end_row)``
+    ``[..., nb, size]``; `size` must hold every block's keys."""
+    lq, lk = seqlen_q, first.shape[-1]
+    lead = first.shape[:-1]
     num_blocks = -(-lq // block)
     first = first.reshape(-1, 1, lk)
     end = end.reshape(-1, 1, lk)
@@ -454,10 +508,11 @@ def _topk_block_keys(s: jax.Array, *, window: int, block: int, is_causal: bool,
     keys = jnp.full((n, num_blocks, size), -1, jnp.int32).at[batch, row, slot].set(
         col, mode="drop")
     used = keys >= 0
-    keys = jnp.maximum(keys, 0)
+    # Unused (tail) slots repeat the last listed key: every list stays sorted.
+    keys = jnp.maximum(lax.cummax(keys, axis=2), 0)
     first_row = jnp.where(used, jnp.take_along_axis(first, keys, axis=2), lq)
     end_row = jnp.where(used, jnp.take_along_axis(end, keys, axis=2), lq)
-    out_shape = (*s.shape[:-1], num_blocks, size)
+    out_shape = (*lead, num_blocks, size)
     return keys.reshape(out_shape), first_row.reshape(out_shape), end_row.reshape(out_shape)
 
 

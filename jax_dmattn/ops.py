@@ -1,4 +1,5 @@
-"""The forward and backward attention primitives: shapes, and lowering to a kernel per platform.
+"""The forward and backward attention primitives: shapes, and lowering to a kernel per platform;
+and the gradient of dynamic attention's key gathers (:func:`sum_listed_keys`).
 
 Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
   forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens]`` -> ``out, lse``
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
 
 from jax_dmattn import _ffi, reference
@@ -210,3 +211,75 @@ def _register_lowerings() -> None:
 
 
 _register_lowerings()
+
+
+# ---- the gradient of dynamic attention's key gathers -------------------------------------------
+
+sum_listed_keys_p = Primitive("dmattn_sum_listed_keys")
+
+
+def sum_listed_keys(grad, keys, spans):
+    """The cotangent of dynamic attention's per-block gathers, summed back onto the keys.
+
+    ``out[*b, j, c] = sum(grad[*b, n, u, c] for n in range(spans[*b, cc, 0, j],
+    spans[*b, cc, 1, j]))`` with ``u`` the first slot of key ``j`` in ``keys[*b, cc, n]``
+    (ascending) and ``cc = c`` or 0 when the keys are shared by the channels. grad
+    ``[*B, nb, U, C, D]``, keys ``[*B, Cc, nb, U]`` and spans ``[*B, Cc, 2, Lk]`` int32 ->
+    ``[*B, Lk, C, D]`` in grad's dtype, summed in float32 without atomics. Every block that lists
+    key j must lie in its span, and a key listed twice in a block gets its first slot's only.
+    """
+    return sum_listed_keys_p.bind(grad, keys, spans)
+
+
+def _sum_listed_keys_xla(grad, keys, spans):
+    *lead, blocks, slots, channels, dim = grad.shape
+    key_channels, seqlen_k, dtype = keys.shape[-3], spans.shape[-1], grad.dtype
+    grad = grad.reshape(-1, blocks, slots, channels, dim).astype(jnp.float32)
+    keys = keys.reshape(-1, key_channels, blocks, slots)
+    first = jnp.concatenate([jnp.ones_like(keys[..., :1], jnp.bool_),
+                             keys[..., 1:] != keys[..., :-1]], axis=-1)  # first slots
+    index = keys.transpose(0, 2, 3, 1).reshape(keys.shape[0], blocks * slots, key_channels, 1)
+    weight = first.transpose(0, 2, 3, 1).reshape(index.shape)
+    grad = jnp.where(weight, grad.reshape(-1, blocks * slots, channels, dim), 0)
+    batch = jnp.arange(grad.shape[0])[:, None, None, None]
+    channel = jnp.arange(channels)[None, None, :, None]
+    out = jnp.zeros((grad.shape[0], seqlen_k, channels, dim), jnp.float32)
+    out = out.at[batch, index, channel, jnp.arange(dim)].add(grad, mode="promise_in_bounds")
+    return out.astype(dtype).reshape(*lead, seqlen_k, channels, dim)
+
+
+def _sum_listed_keys_abstract_eval(grad, keys, spans):
+    *lead, _, _, channels, dim = grad.shape
+    return _like(grad, (*lead, spans.shape[-1], channels, dim), grad.dtype)
+
+
+def _sum_listed_keys_batch(args, dims):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    args = [jnp.moveaxis(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
+            for x, d in zip(args, dims, strict=True)]
+    return sum_listed_keys_p.bind(*args), 0
+
+
+def _sum_listed_keys_lowering(platform: str):
+    def rule(ctx, grad, keys, spans):
+        from jax_dmattn import sharding
+
+        kernel = platform == "cpu" or (platform == "cuda" and _ffi.has_cuda_kernels())
+        if kernel and jnp.dtype(ctx.avals_in[0].dtype).name in ("float32", "float16",
+                                                                  "bfloat16"):
+            fn = sharding.kernel_sum_listed_keys
+        else:
+            fn = _sum_listed_keys_xla
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, grad, keys, spans)
+
+    return rule
+
+
+dispatch.prim_requires_devices_during_lowering.add(sum_listed_keys_p)
+sum_listed_keys_p.def_abstract_eval(_sum_listed_keys_abstract_eval)
+sum_listed_keys_p.def_impl(_eager(sum_listed_keys_p))
+batching.primitive_batchers[sum_listed_keys_p] = _sum_listed_keys_batch
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering(_platform),
+                           platform=_platform)
+mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering("other"))

@@ -315,3 +315,47 @@ def kernel_forward(platform, params, opts, *operands):
 def kernel_backward(platform, params, opts, *operands):
     """``[dq, dk, dv, (dbias)]`` through the platform's kernel, partitioned likewise."""
     return list(_partitioned_backward(platform, params, opts, *operands))
+
+
+# ---- batch-parallel calls ---------------------------------------------------------------------
+
+
+def _listed_keys_lead(keys_ndim: int) -> int:
+    return keys_ndim - 3  # keys [*B, Cc, nb, U]
+
+
+def _listed_keys_partition(mesh, arg_infos, result_infos):
+    lead = _listed_keys_lead(len(arg_infos[1].shape))
+    batch = _spec_of(arg_infos[0], len(arg_infos[0].shape))[:lead]
+
+    def spec(ndim: int) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(*batch, *([None] * (ndim - lead))))
+
+    arg_shardings = tuple(spec(len(info.shape)) for info in arg_infos)
+    return mesh, _ffi.call_sum_listed_keys, spec(lead + 3), arg_shardings
+
+
+def _listed_keys_rule(mesh, value_types, result_types):
+    from jax._src.lib.mlir import ir
+
+    grad, keys, _ = (tuple(ir.RankedTensorType(t).shape) for t in value_types)
+    lead = _listed_keys_lead(len(keys))
+    batch = " ".join(f"b{i}" for i in range(lead))
+    shared = "c" if keys[lead] == grad[lead + 2] else "s"  # keys per channel, or shared
+    rule = (f"{batch} n u c d, {batch} {shared} n u, {batch} {shared} t k -> {batch} k c d")
+    return rule, dict(need_replication_factors=tuple(dict.fromkeys(
+        f for f in ("n", "u", "c", "d", shared, "t", "k"))))
+
+
+_partitioned_sum_listed_keys = custom_partitioning(_ffi.call_sum_listed_keys)
+_partitioned_sum_listed_keys.def_partition(
+    partition=_listed_keys_partition,
+    infer_sharding_from_operands=lambda mesh, args, results: _listed_keys_partition(
+        mesh, args, results)[2],
+    sharding_rule=_listed_keys_rule)
+
+
+def kernel_sum_listed_keys(grad, keys, spans):
+    """:func:`ops.sum_listed_keys` through the platform's kernel, partitioned over the leading
+    (batch) dims, which every operand shares; the other dims are replicated."""
+    return _partitioned_sum_listed_keys(grad, keys, spans)

@@ -16,7 +16,7 @@ from conftest import HALF_DTYPES, assert_close, reference_jit, round_to, toleran
 from test_masks import KINDS, assert_mask_equal, make_scores, reference_topk
 
 import jax_dmattn
-from jax_dmattn import masks
+from jax_dmattn import masks, ops
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 CPU_IMPL = "cpu" if "cpu" in jax_dmattn.available_implementations() else "xla"
@@ -240,6 +240,71 @@ def test_bad_inputs_raise(overrides, error, match):
                           implementation=CPU_IMPL, **call)
 
 
+# ---- ops.sum_listed_keys: the gathers' gradient ------------------------------------------------
+
+
+def listed_keys_problem(rng, batch, seqlen_k, block, channels, key_channels, dim, dtype):
+    """Random key ranges listed per block (masks.list_block_keys), the blocks' spans and a
+    random cotangent ``[B, nb, U, C, D]``."""
+    first = rng.integers(0, seqlen_k, (batch, key_channels, seqlen_k)).astype(np.int32)
+    end = np.minimum(first + rng.integers(0, 3 * block, first.shape), seqlen_k).astype(np.int32)
+    size = seqlen_k
+    keys, _, _ = masks.list_block_keys(jnp.asarray(first), jnp.asarray(end), block=block,
+                                       size=size, seqlen_q=seqlen_k)
+    start = first // block
+    stop = np.where(first < end, (end - 1) // block + 1, start)
+    spans = np.stack([start, stop], axis=2).astype(np.int32)
+    num_blocks = keys.shape[2]
+    grad = rng.standard_normal((batch, num_blocks, size, channels, dim)).astype(np.float32)
+    return jnp.asarray(round_to(grad, dtype), dtype), keys, jnp.asarray(spans)
+
+
+def sum_listed_keys_bruteforce(grad, keys, spans):
+    grad, keys, spans = (np.asarray(x, np.float64) for x in (grad, keys, spans))
+    batch, num_blocks, size, channels, dim = grad.shape
+    out = np.zeros((batch, spans.shape[-1], channels, dim))
+    for b, c, n in np.ndindex(batch, channels, num_blocks):
+        cc = c if keys.shape[1] > 1 else 0
+        for u in range(size):
+            j = int(keys[b, cc, n, u])
+            first_slot = u == 0 or keys[b, cc, n, u - 1] != j
+            if first_slot and spans[b, cc, 0, j] <= n < spans[b, cc, 1, j]:
+                out[b, j, c] += grad[b, n, u, c]
+    return out
+
+
+LISTED_KEYS_CASES = [  # (B, Lk, block, C, Cc, D, dtype)
+    (2, 50, 8, 3, 3, "float32"),
+    (1, 70, 16, 2, 1, "bfloat16"),
+    (3, 33, 5, 1, 1, "float16"),
+]
+
+
+@pytest.mark.parametrize("dim", [1, 20])
+@pytest.mark.parametrize("case", LISTED_KEYS_CASES, ids=str)
+def test_sum_listed_keys_matches_bruteforce(case, dim):
+    batch, seqlen_k, block, channels, key_channels, dtype = case
+    rng = np.random.default_rng(seqlen_k * 10 + dim)
+    grad, keys, spans = listed_keys_problem(rng, batch, seqlen_k, block, channels, key_channels,
+                                            dim, dtype)
+    assert np.any(np.diff(np.asarray(keys), axis=-1) == 0), "some tail slots repeat a key"
+    expected = sum_listed_keys_bruteforce(grad, keys, spans)
+    got = jax.jit(ops.sum_listed_keys)(grad, keys, spans)
+    if CPU_IMPL == "cpu":  # the extension's kernel, not the XLA fallback
+        assert "dmattn_sum_listed_keys" in jax.jit(ops.sum_listed_keys).lower(
+            grad, keys, spans).as_text()
+    assert got.dtype == grad.dtype and got.shape == expected.shape
+    # float32 sums, one rounding to the output dtype (half an ulp: 2^-8 relative for bfloat16)
+    rtol = {"float32": 1e-6, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=rtol, atol=1e-6)
+    xla = jax.jit(ops._sum_listed_keys_xla)(grad, keys, spans)
+    np.testing.assert_allclose(np.asarray(xla, np.float64), expected, rtol=rtol, atol=1e-6)
+    batched = jax.vmap(ops.sum_listed_keys, in_axes=(0, None, None))(
+        jnp.stack([grad, -grad]), keys, spans)
+    np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(batched[1]), -np.asarray(got))
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 
 GPU_CASES = [
@@ -256,3 +321,11 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c.id() for c in GPU_CASES])
 def test_matches_reference_on_gpu(case):
     check_dynamic(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 128, 256])
+@pytest.mark.parametrize("case", LISTED_KEYS_CASES, ids=str)
+def test_sum_listed_keys_on_gpu(case, dim):
+    """The CUDA kernel (one warp per key and channel) against the brute force."""
+    test_sum_listed_keys_matches_bruteforce(case, dim)

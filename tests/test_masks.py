@@ -382,3 +382,33 @@ def test_flash_dmattn_with_topk_mask():
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
     dense = np.asarray(run(None))  # the mask must matter
     assert np.abs(out - dense).max() > 1e-3
+
+
+# ---- the CUDA leave-position kernel -----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,lk,window", [
+    (1, 1, 1), (3, 33, 1), (2, 130, 7), (1, 300, 299), (2, 5000, 1024), (1, 16384, 1024),
+])
+def test_leave_positions_cuda_match_xla(rows, lk, window, kind):
+    """The CUDA kernel (one warp per key) against the wavelet-matrix XLA program, exactly, on
+    order keys with ties, NaN and infinities; under vmap (the batching rule) too."""
+    rng = np.random.default_rng(rows * 100003 + lk + window)
+    key = masks._order_key(jnp.asarray(make_scores(rng, (rows, lk), kind)))
+    got = jax.jit(functools.partial(masks._leave_positions, window=window))(key)
+    expected = jax.jit(functools.partial(masks._leave_positions_xla, window=window))(key)
+    if window < lk:  # else no key ever leaves: no kernel
+        assert "dmattn_topk_leave" in jax.jit(
+            functools.partial(masks._leave_positions, window=window)).lower(key).as_text()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    batched = jax.vmap(functools.partial(masks._leave_positions, window=window))(key[:, None])
+    np.testing.assert_array_equal(np.asarray(batched)[:, 0], np.asarray(expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lead,lq,lk,window", PER_KEY_CASES)
+def test_per_key_causal_matches_bruteforce_on_gpu(lead, lq, lk, window, kind):
+    test_per_key_causal_matches_bruteforce(lead, lq, lk, window, kind)

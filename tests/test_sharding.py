@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dmattn import flash_dmattn
+from jax_dmattn.dynamic import dynamic_attention
 
 B, LQ, LK, H, D = 4, 32, 48, 8, 16
 TOL = 1e-5
@@ -100,6 +101,31 @@ def test_sharded_jit(mesh, layout):
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
         assert g.shape == r.shape, name
         assert_close(name, g, r, TOL)
+
+
+def test_dynamic_attention_sharded_over_batch(mesh):
+    """dynamic_attention's gradients under jit with batch-sharded inputs: equal to the unsharded
+    ones, and no floating array is gathered (the key gathers' gradient sum stays per shard; only
+    small int32 key-list arrays are)."""
+    rng = np.random.default_rng(5)
+    length = 160  # > 64 compact keys per block of 16 rows: the gathers run
+    q, w = (rng.standard_normal((B, length, H, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, length, 2, D)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((B, 2, 1, length)).astype(np.float32)
+
+    def loss(q, k, v, bias):
+        out = dynamic_attention(q, k, v, bias, 8, query_block=16, implementation="cpu")
+        return jnp.sum(out * w)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    sharded = [_shard(mesh, x, P("data")) for x in (q, k, v, bias)]
+    text = grad.lower(*sharded).compile().as_text()
+    assert "dmattn_sum_listed_keys" in text
+    gathers = [line for line in text.splitlines() if " all-gather(" in line]
+    assert all(" s32[" in line for line in gathers), gathers
+    for g, r in zip(grad(*sharded), grad(q, k, v, bias), strict=True):
+        assert g.sharding.spec[0] == "data"
+        assert_close("grad", g, r, TOL)
 
 
 def _reference_loss(q, k, v, bias, mask, w, wl):

@@ -169,4 +169,23 @@ struct BackwardArgs {
   int64_t workspace_bytes[kMaxWorkspaces] = {};
 };
 
+// The gradient of dynamic attention's per-block key gathers (jax_dmattn/dynamic.py):
+//   out[b, j, c, :] = sum of grad[b, n, u, c, :] over the blocks n in [spans[b, cc, 0, j],
+//   spans[b, cc, 1, j]) that list key j, u its slot in keys[b, cc, n, :]
+// (ascending; unused tail slots repeat the last listed key), cc = c or 0 (keys shared by the
+// channels). grad [*B, nb, U, C, D], keys [*B, Cc, nb, U], spans [*B, Cc, 2, Lk] int32,
+// out [*B, Lk, C, D]; fp32 sums, no atomics.
+struct ListedKeysShape {
+  int64_t batch = 0;  // product of the leading dims
+  int64_t blocks = 0, slots = 0, channels = 0, dim = 0, key_channels = 0, seqlen_k = 0;
+  ElementType dtype = ElementType::kFloat32;  // grad and out
+};
+
+struct ListedKeysArgs {
+  const void* grad = nullptr;
+  const int32_t* keys = nullptr;
+  const int32_t* spans = nullptr;
+  void* out = nullptr;
+};
+
 }  // namespace dmattn

@@ -18,4 +18,8 @@ void Forward(const AttentionShape& shape, const ForwardArgs& args, const Paralle
 void Backward(const AttentionShape& shape, const BackwardArgs& args,
               const ParallelFor& parallel_for);
 
+// out <- the listed-keys gradient sum (common/params.h). Deterministic.
+void SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,
+                   const ParallelFor& parallel_for);
+
 }  // namespace dmattn::cpu

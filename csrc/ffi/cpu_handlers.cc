@@ -61,6 +61,15 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
+ffi::Error CpuSumListedKeys(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer keys,
+                            ffi::AnyBuffer spans, ffi::Result<ffi::AnyBuffer> out) {
+  ListedKeysShape shape;
+  ListedKeysArgs ptrs;
+  if (auto e = DecodeListedKeys(grad, keys, spans, *out, &shape, &ptrs); e.failure()) return e;
+  cpu::SumListedKeys(shape, ptrs, MakeParallelFor(pool));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace dmattn
 
@@ -77,3 +86,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCpu, dmattn::CpuBackward,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs<dmattn::AttentionAttrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnSumListedKeysCpu, dmattn::CpuSumListedKeys,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());

@@ -1,8 +1,10 @@
 // CUDA FFI handlers: decode the call, launch on XLA's stream. Never synchronises; any CUDA error
 // comes back as an FFI error carrying CUDA's message.
+#include <cstdint>
 #include <string>
 
 #include "cuda/attention.h"
+#include "cuda/dynamic.h"
 #include "ffi/decode.h"
 #include "ffi/handlers.h"
 
@@ -48,6 +50,36 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   return CudaStatus(cuda::Backward(shape, ptrs, stream), "backward");
 }
 
+ffi::Error CudaTopkLeave(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
+                         ffi::ResultBuffer<ffi::S32> leave, int64_t window) {
+  const auto dims = key.dimensions();
+  if (dims.size() != 2 || leave->dimensions().size() != 2 || leave->dimensions()[0] != dims[0] ||
+      leave->dimensions()[1] != dims[1]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: topk_leave takes key and leave of one shape [rows, Lk]");
+  }
+  if (window < 1 || dims[1] > INT32_MAX) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: topk_leave needs window >= 1 and Lk < 2^31");
+  }
+  return CudaStatus(
+      cuda::TopkLeave(key.typed_data(), leave->typed_data(), dims[0], dims[1], window, stream),
+      "topk_leave");
+}
+
+ffi::Error CudaSumListedKeys(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer keys,
+                             ffi::AnyBuffer spans, ffi::Result<ffi::AnyBuffer> out) {
+  ListedKeysShape shape;
+  ListedKeysArgs ptrs;
+  if (auto e = DecodeListedKeys(grad, keys, spans, *out, &shape, &ptrs); e.failure()) return e;
+  if (shape.dim > cuda::kListedKeysMaxDim) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: listed keys: the CUDA kernel takes dims up to " +
+                          std::to_string(cuda::kListedKeysMaxDim));
+  }
+  return CudaStatus(cuda::SumListedKeys(shape, ptrs, stream), "sum_listed_keys");
+}
+
 }  // namespace
 }  // namespace dmattn
 
@@ -65,4 +97,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs<dmattn::AttentionAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnTopkLeaveCuda, dmattn::CudaTopkLeave,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<int64_t>("window"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnSumListedKeysCuda, dmattn::CudaSumListedKeys,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

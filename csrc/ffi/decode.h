@@ -47,6 +47,12 @@ xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
                                const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
                                AttentionShape* shape, BackwardArgs* ptrs);
 
+// The listed-keys gradient sum (common/params.h, ListedKeysShape): args grad, keys, spans;
+// ret out.
+xla::ffi::Error DecodeListedKeys(xla::ffi::AnyBuffer grad, xla::ffi::AnyBuffer keys,
+                                 xla::ffi::AnyBuffer spans, xla::ffi::AnyBuffer out,
+                                 ListedKeysShape* shape, ListedKeysArgs* ptrs);
+
 }  // namespace dmattn
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(

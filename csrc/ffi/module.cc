@@ -31,12 +31,15 @@ nb::dict Registrations() {
   nb::dict cpu;
   cpu["dmattn_fwd"] = Capsule(DmattnForwardCpu);
   cpu["dmattn_bwd"] = Capsule(DmattnBackwardCpu);
+  cpu["dmattn_sum_listed_keys"] = Capsule(DmattnSumListedKeysCpu);
   nb::dict platforms;
   platforms["cpu"] = cpu;
 #if defined(DMATTN_WITH_CUDA)
   nb::dict cuda;
   cuda["dmattn_fwd"] = Capsule(DmattnForwardCuda);
   cuda["dmattn_bwd"] = Capsule(DmattnBackwardCuda);
+  cuda["dmattn_topk_leave"] = Capsule(DmattnTopkLeaveCuda);
+  cuda["dmattn_sum_listed_keys"] = Capsule(DmattnSumListedKeysCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;

@@ -1,0 +1,163 @@
+// TopkLeave and SumListedKeys (dynamic.h).
+#include "cuda/dynamic.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+// 32-key chunks per warp step (16 independent loads per lane in flight). The loop is
+// instruction-bound: per chunk one compare, ballot, popc and add; where the window-th beater
+// lies is searched once, in the step that holds it.
+constexpr int kChunks = 16;
+constexpr int kStep = 32 * kChunks;
+
+// Beaters of key j (order key kj) among the 32 x kChunks keys from `base`, chunk by chunk.
+template <bool kBeforeJ>
+__device__ __forceinline__ void count_beaters(const int32_t (&ki)[kChunks], int32_t kj,
+                                              unsigned (&ballot)[kChunks]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    // Ties go to the lower index: keys before j beat it when equal.
+    ballot[c] = __ballot_sync(0xffffffffu, kBeforeJ ? ki[c] >= kj : ki[c] > kj);
+  }
+}
+
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    topk_leave_kernel(const int32_t* __restrict__ key, int32_t* __restrict__ leave, int lk,
+                      int key_blocks, int window) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = blockIdx.x / key_blocks;
+  const int j = (blockIdx.x % key_blocks) * kWarpsPerBlock + threadIdx.x / 32;
+  if (j >= lk) return;  // warp-uniform
+  const int32_t* k = key + row * lk;
+  const int32_t kj = k[j];
+  int need = window;  // beaters still to come before key j leaves
+  int at = lk;
+  for (int base = 0; base < lk; base += kStep) {
+    int32_t ki[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int i = base + c * 32 + lane;
+      ki[c] = i < lk ? k[i] : INT32_MIN;  // past the end: beats nothing
+    }
+    unsigned ballot[kChunks];
+    if (base + kStep <= j) {
+      count_beaters<true>(ki, kj, ballot);
+    } else if (base > j) {
+      count_beaters<false>(ki, kj, ballot);
+    } else {  // the step holding j: key j never beats itself
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int i = base + c * 32 + lane;
+        ballot[c] = __ballot_sync(0xffffffffu, i < j ? ki[c] >= kj : (i > j && ki[c] > kj));
+      }
+    }
+    int count = 0;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) count += __popc(ballot[c]);
+    if (count >= need) {  // the window-th beater is in this step
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int n = __popc(ballot[c]);
+        if (need >= 1 && n >= need) at = base + c * 32 + __fns(ballot[c], 0, need);
+        need -= n;
+      }
+      break;
+    }
+    need -= count;
+  }
+  if (lane == 0) leave[row * lk + j] = at;
+}
+
+// One warp per (batch, key, channel). The lanes find the key's slot in up to 32 of its blocks at
+// once (one binary search each: a key kept by many rows is listed by many blocks, and searching
+// them one after the other made the longest warps ~12 memory round trips per block); then lane
+// l sums elements l, l + 32, ... of the head dim over the blocks found.
+template <typename T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    sum_listed_keys_kernel(const ListedKeysShape s, const ListedKeysArgs a) {
+  constexpr int kPerLane = kListedKeysMaxDim / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (w >= s.batch * s.seqlen_k * s.channels) return;  // warp-uniform
+  const int64_t c = w % s.channels, j = (w / s.channels) % s.seqlen_k;
+  const int64_t b = w / (s.channels * s.seqlen_k);
+  const int64_t cc = s.key_channels == 1 ? 0 : c;
+  const int32_t* span = a.spans + (b * s.key_channels + cc) * 2 * s.seqlen_k;
+  const int32_t* lists = a.keys + (b * s.key_channels + cc) * s.blocks * s.slots;
+  const T* grad =
+      static_cast<const T*>(a.grad) + (b * s.blocks * s.slots * s.channels + c) * s.dim;
+  const int n_stop = span[s.seqlen_k + j];
+  float acc[kPerLane] = {};
+  for (int n0 = span[j]; n0 < n_stop; n0 += 32) {
+    int slot = -1;  // this lane's block n0 + lane: the slot of key j, if listed
+    if (n0 + lane < n_stop) {
+      const int32_t* list = lists + (n0 + lane) * s.slots;
+      int lo = 0, hi = static_cast<int>(s.slots);  // first slot holding a key >= j
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (list[mid] < j) lo = mid + 1; else hi = mid;
+      }
+      if (lo < s.slots && list[lo] == j) slot = lo;
+    }
+    for (unsigned found = __ballot_sync(0xffffffffu, slot >= 0); found; found &= found - 1) {
+      const int src = __ffs(found) - 1;
+      const int u = __shfl_sync(0xffffffffu, slot, src);
+      const T* g = grad + (static_cast<int64_t>(n0 + src) * s.slots + u) * s.channels * s.dim;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const int64_t d = lane + 32 * e;
+        if (d < s.dim) acc[e] += static_cast<float>(g[d]);
+      }
+    }
+  }
+  T* o = static_cast<T*>(a.out) + ((b * s.seqlen_k + j) * s.channels + c) * s.dim;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    const int64_t d = lane + 32 * e;
+    if (d < s.dim) o[d] = static_cast<T>(acc[e]);
+  }
+}
+
+template <typename T>
+cudaError_t LaunchSumListedKeys(const ListedKeysShape& s, const ListedKeysArgs& a,
+                                cudaStream_t stream) {
+  const int64_t warps = s.batch * s.seqlen_k * s.channels;
+  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  sum_listed_keys_kernel<T><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+      s, a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,
+                          cudaStream_t stream) {
+  if (shape.dim > kListedKeysMaxDim) return cudaErrorInvalidValue;
+  switch (shape.dtype) {
+    case ElementType::kFloat32: return LaunchSumListedKeys<float>(shape, args, stream);
+    case ElementType::kFloat16: return LaunchSumListedKeys<__half>(shape, args, stream);
+    case ElementType::kBFloat16: return LaunchSumListedKeys<__nv_bfloat16>(shape, args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t TopkLeave(const int32_t* key, int32_t* leave, int64_t rows, int64_t lk, int64_t window,
+                      cudaStream_t stream) {
+  if (rows == 0 || lk == 0) return cudaSuccess;
+  const int64_t key_blocks = (lk + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t blocks = rows * key_blocks;
+  if (blocks > 0x7fffffff || lk > 0x7fffffff - kStep) return cudaErrorInvalidConfiguration;
+  // A key has at most lk - 1 beaters: a window >= lk never ends.
+  const int w = static_cast<int>(window < lk ? window : lk);
+  topk_leave_kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+      key, leave, static_cast<int>(lk), static_cast<int>(key_blocks), w);
+  return cudaGetLastError();
+}
+
+}  // namespace dmattn::cuda
