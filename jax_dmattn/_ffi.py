@@ -133,7 +133,7 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
 
 
 def call_topk_leave(key, window: int):
-    """The CUDA dynamic-mask kernel (csrc/cuda/dynamic_mask.h): int32 ``[n, Lk]`` order keys
+    """The CUDA dynamic-mask kernel (csrc/cuda/dynamic.h): int32 ``[n, Lk]`` order keys
     -> int32 ``[n, Lk]`` leave positions."""
     register_targets()
     result = jax.ShapeDtypeStruct(key.shape, np.int32)

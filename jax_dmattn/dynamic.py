@@ -8,8 +8,8 @@ compact key axis and runs :func:`flash_dmattn` on the ``B · ceil(Lq / Bq)`` sma
 the exact mask rebuilt from the key ranges. The result is that of ``flash_dmattn`` with the
 dynamic mask, for ``Lq · U`` (query, key) pairs instead of the ``Lq · Lk / 2`` a causal kernel
 visits (the dynamic mask hides no whole tile: every tile holds a few kept keys). Gradients flow
-back through the gathers (JAX's transpose sums dk, dv and dbias onto their keys); the keys'
-selection itself has no gradient, as with a precomputed mask.
+back through the gathers (:func:`ops.sum_listed_keys` sums dk, dv and dbias onto their keys in
+float32); the keys' selection itself has no gradient, as with a precomputed mask.
 """
 
 from __future__ import annotations

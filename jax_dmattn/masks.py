@@ -12,7 +12,7 @@ of a row never comes back in a later row: later rows see a superset of keys, and
 only push it further down. So each key ``j`` is selected over one contiguous run of rows, and the
 whole ``[Lq, Lk]`` mask is described by O(Lk) numbers (:func:`topk_key_ranges`): where each key
 leaves (the position of its `window`-th better key). On GPUs a CUDA kernel finds them (one warp
-per key scans its row until that key, ``csrc/cuda/dynamic_mask.cu``); elsewhere a ranking sort and
+per key scans the row up to that better key, ``csrc/cuda/dynamic.cu``); elsewhere a ranking sort and
 prefix order-statistic queries on a radix-16 wavelet matrix do (O(Lk log Lk) work in a handful of
 vectorised steps, no loop over the sequence). The only O(Lq·Lk) work is the final elementwise
 comparison that writes the mask. The slow baseline, ``lax.top_k`` over the masked

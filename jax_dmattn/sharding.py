@@ -343,8 +343,9 @@ def _listed_keys_rule(mesh, value_types, result_types):
     batch = " ".join(f"b{i}" for i in range(lead))
     shared = "c" if keys[lead] == grad[lead + 2] else "s"  # keys per channel, or shared
     rule = (f"{batch} n u c d, {batch} {shared} n u, {batch} {shared} t k -> {batch} k c d")
+    # (in the order the rule first names them, as Shardy wants)
     return rule, dict(need_replication_factors=tuple(dict.fromkeys(
-        f for f in ("n", "u", "c", "d", shared, "t", "k"))))
+        ("n", "u", "c", "d", shared, "t", "k"))))
 
 
 _partitioned_sum_listed_keys = custom_partitioning(_ffi.call_sum_listed_keys)
