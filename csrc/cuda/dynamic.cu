@@ -138,7 +138,6 @@ cudaError_t LaunchSumListedKeys(const ListedKeysShape& s, const ListedKeysArgs& 
 
 cudaError_t SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,
                           cudaStream_t stream) {
-  if (shape.dim > kListedKeysMaxDim) return cudaErrorInvalidValue;
   switch (shape.dtype) {
     case ElementType::kFloat32: return LaunchSumListedKeys<float>(shape, args, stream);
     case ElementType::kFloat16: return LaunchSumListedKeys<__half>(shape, args, stream);
