@@ -140,14 +140,14 @@ def call_topk_leave(key, window: int):
     return jax.ffi.ffi_call(TOPK_LEAVE_TARGET, result)(key, window=np.int64(window))
 
 
-def call_sum_listed_keys(grad, keys, spans):
+def call_sum_listed_keys(grad, slots, spans):
     """The listed-keys gradient sum (csrc/common/params.h, ListedKeysShape): grad
-    ``[*B, nb, U, C, D]``, keys ``[*B, Cc, nb, U]``, spans ``[*B, Cc, 2, Lk]`` ->
+    ``[*B, nb, U, C, D]``, slots ``[*B, Cc, nb, Lk]``, spans ``[*B, Cc, 2, Lk]`` ->
     ``[*B, Lk, C, D]`` in grad's dtype."""
     register_targets()
     *lead, _, _, channels, dim = grad.shape
     result = jax.ShapeDtypeStruct((*lead, spans.shape[-1], channels, dim), grad.dtype)
-    return jax.ffi.ffi_call(SUM_LISTED_KEYS_TARGET, result)(grad, keys, spans)
+    return jax.ffi.ffi_call(SUM_LISTED_KEYS_TARGET, result)(grad, slots, spans)
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The

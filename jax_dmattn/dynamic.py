@@ -78,7 +78,7 @@ def dynamic_attention(
     scores = jax.lax.stop_gradient(bias[:, :, 0, :])
     first, end = masks.key_ranges(scores, window=window, is_causal=is_causal,
                                   seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, Lk]
-    keys, first_row, end_row = masks.list_block_keys(
+    keys, first_row, end_row, slots = masks.list_block_keys_and_slots(
         first, end, block=block, size=listed, seqlen_q=dims.seqlen_q)  # [B|1, Hk|1, nb, listed]
     pad = [(0, 0)] * 3 + [(0, compact - listed)]  # slots that no row keeps
     keys = jnp.pad(keys, pad, mode="edge")  # still sorted
@@ -91,12 +91,12 @@ def dynamic_attention(
     rows = (jnp.arange(num_blocks, dtype=jnp.int32)[:, None] * block
             + jnp.arange(block, dtype=jnp.int32))[:, :, None]  # [nb, Bq, 1]
     mask = (first_row[:, :, :, None, :] <= rows) & (rows < end_row[:, :, :, None, :])
-    kv_keys = jnp.broadcast_to(keys, (dims.batch, *keys.shape[1:]))
-    kv_spans = jnp.broadcast_to(spans, (dims.batch, *spans.shape[1:]))
+    listing = (keys, slots, spans)
+    kv_listing = tuple(jnp.broadcast_to(x, (dims.batch, *x.shape[1:])) for x in listing)
     out, lse = flash_dmattn(
-        _blocks_of_queries(q, block, num_blocks), _take_listed(k, kv_keys, kv_spans),
-        _take_listed(v, kv_keys, kv_spans), _per_block(mask, dims.batch),
-        _per_block(_take_listed_bias(bias, keys, spans), dims.batch),
+        _blocks_of_queries(q, block, num_blocks), _take_listed(k, *kv_listing),
+        _take_listed(v, *kv_listing), _per_block(mask, dims.batch),
+        _per_block(_take_listed_bias(bias, *listing), dims.batch),
         return_lse=True, **options)
     out = out.reshape(dims.batch, num_blocks * block, dims.heads, dims.head_dim)
     out = out[:, :dims.seqlen_q]
@@ -148,12 +148,13 @@ def _blocks_of_queries(q: jax.Array, block: int, num_blocks: int) -> jax.Array:
 
 
 @jax.custom_vjp
-def _take_listed(x: jax.Array, keys: jax.Array, spans: jax.Array) -> jax.Array:
+def _take_listed(x: jax.Array, keys: jax.Array, slots: jax.Array, spans: jax.Array) -> jax.Array:
     """``x [B, Lk, C, D]``, keys ``[B, C|1, nb, U]`` -> ``[B · nb, U, C, D]``: block n's keys.
 
-    spans ``[B, C|1, 2, Lk]``: the blocks that list each key, for the gradient, which
-    :func:`ops.sum_listed_keys` sums back onto the keys in float32 (half precision would round
-    at each of a key's blocks; XLA's float32 scatter-add took twice as long on the H200)."""
+    slots ``[B, C|1, nb, Lk]`` (each key's slot in each block that lists it) and spans
+    ``[B, C|1, 2, Lk]`` (those blocks) are for the gradient, which :func:`ops.sum_listed_keys`
+    sums back onto the keys in float32 (half precision would round at each of a key's blocks;
+    XLA's float32 scatter-add took twice as long on the H200)."""
     batch, _, channels, dim = x.shape
     _, key_channels, num_blocks, size = keys.shape
     index = keys.transpose(0, 2, 3, 1).reshape(batch, num_blocks * size, key_channels, 1)
@@ -161,25 +162,26 @@ def _take_listed(x: jax.Array, keys: jax.Array, spans: jax.Array) -> jax.Array:
     return taken.reshape(batch * num_blocks, size, channels, dim)
 
 
-def _take_listed_fwd(x, keys, spans):
-    return _take_listed(x, keys, spans), (keys, spans)
+def _take_listed_fwd(x, keys, slots, spans):
+    return _take_listed(x, keys, slots, spans), (slots, spans)
 
 
 def _take_listed_bwd(residuals, grad):
-    keys, spans = residuals
-    batch, _, num_blocks, size = keys.shape
-    grad = grad.reshape(batch, num_blocks, size, *grad.shape[2:])
-    return ops.sum_listed_keys(grad, keys, spans), None, None
+    slots, spans = residuals
+    batch, _, num_blocks, _ = slots.shape
+    grad = grad.reshape(batch, num_blocks, *grad.shape[1:])
+    return ops.sum_listed_keys(grad, slots, spans), None, None, None
 
 
 _take_listed.defvjp(_take_listed_fwd, _take_listed_bwd)
 
 
-def _take_listed_bias(bias: jax.Array, keys: jax.Array, spans: jax.Array) -> jax.Array:
+def _take_listed_bias(bias: jax.Array, keys: jax.Array, slots: jax.Array,
+                      spans: jax.Array) -> jax.Array:
     """``bias [B|1, Hk|1, 1, Lk]``, keys ``[B|1, Hk|1, nb, U]`` -> ``[B|1, Hk|1, nb, 1, U]``."""
     batch, key_heads, _, seqlen_k = bias.shape
     per_key = bias.reshape(batch, key_heads, seqlen_k).transpose(0, 2, 1)[..., None]
-    taken = _take_listed(per_key, keys, spans)  # [B|1 · nb, U, Hk|1, 1]
+    taken = _take_listed(per_key, keys, slots, spans)  # [B|1 · nb, U, Hk|1, 1]
     num_blocks, size = keys.shape[2:]
     taken = taken.reshape(batch, num_blocks, size, key_heads).transpose(0, 3, 1, 2)
     return taken[:, :, :, None, :]

@@ -493,6 +493,15 @@ def list_block_keys(first: jax.Array, end: jax.Array, *, block: int, size: int,
                     seqlen_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Key ranges ``[..., Lk]`` -> :func:`topk_block_keys`' ``(keys, first_row, end_row)``
     ``[..., nb, size]``; `size` must hold every block's keys."""
+    return list_block_keys_and_slots(first, end, block=block, size=size, seqlen_q=seqlen_q)[:3]
+
+
+def list_block_keys_and_slots(
+        first: jax.Array, end: jax.Array, *, block: int, size: int,
+        seqlen_q: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`list_block_keys` and ``slots [..., nb, Lk]``: ``keys[..., n, slots[..., n, j]]
+    == j`` wherever block ``n`` lists key ``j`` (elsewhere, the number of keys before ``j`` that
+    block ``n`` lists)."""
     lq, lk = seqlen_q, first.shape[-1]
     lead = first.shape[:-1]
     num_blocks = -(-lq // block)
@@ -500,7 +509,8 @@ def list_block_keys(first: jax.Array, end: jax.Array, *, block: int, size: int,
     end = end.reshape(-1, 1, lk)
     start = lax.broadcasted_iota(jnp.int32, (1, num_blocks, 1), 1) * block
     seen = (first < start + block) & (end > start) & (first < end)  # [n, nb, Lk]
-    slot = jnp.where(seen, _exclusive_cumsum(seen)[..., :lk], size)  # `size`: dropped below
+    slots = _exclusive_cumsum(seen)[..., :lk]
+    slot = jnp.where(seen, slots, size)  # `size`: dropped below
     n = seen.shape[0]
     batch = lax.broadcasted_iota(jnp.int32, seen.shape, 0)
     row = lax.broadcasted_iota(jnp.int32, seen.shape, 1)
@@ -513,7 +523,8 @@ def list_block_keys(first: jax.Array, end: jax.Array, *, block: int, size: int,
     first_row = jnp.where(used, jnp.take_along_axis(first, keys, axis=2), lq)
     end_row = jnp.where(used, jnp.take_along_axis(end, keys, axis=2), lq)
     out_shape = (*lead, num_blocks, size)
-    return keys.reshape(out_shape), first_row.reshape(out_shape), end_row.reshape(out_shape)
+    return (keys.reshape(out_shape), first_row.reshape(out_shape), end_row.reshape(out_shape),
+            slots.reshape(*lead, num_blocks, lk))
 
 
 # ---- static masks -----------------------------------------------------------------------------

@@ -218,37 +218,38 @@ _register_lowerings()
 sum_listed_keys_p = Primitive("dmattn_sum_listed_keys")
 
 
-def sum_listed_keys(grad, keys, spans):
+def sum_listed_keys(grad, slots, spans):
     """The cotangent of dynamic attention's per-block gathers, summed back onto the keys.
 
-    ``out[*b, j, c] = sum(grad[*b, n, u, c] for n in range(spans[*b, cc, 0, j],
-    spans[*b, cc, 1, j]))`` with ``u`` the first slot of key ``j`` in ``keys[*b, cc, n]``
-    (ascending) and ``cc = c`` or 0 when the keys are shared by the channels. grad
-    ``[*B, nb, U, C, D]``, keys ``[*B, Cc, nb, U]`` and spans ``[*B, Cc, 2, Lk]`` int32 ->
-    ``[*B, Lk, C, D]`` in grad's dtype, summed in float32 without atomics. Every block that lists
-    key j must lie in its span, and a key listed twice in a block gets its first slot's only.
+    ``out[*b, j, c] = sum(grad[*b, n, slots[*b, cc, n, j], c] for n in range(spans[*b, cc, 0, j],
+    spans[*b, cc, 1, j]))``, ``cc = c`` or 0 when the key lists are shared by the channels: the
+    blocks that list key ``j`` and its slot in each (slots outside ``[0, U)`` add nothing). grad
+    ``[*B, nb, U, C, D]``, slots ``[*B, Cc, nb, Lk]`` and spans ``[*B, Cc, 2, Lk]`` int32 ->
+    ``[*B, Lk, C, D]`` in grad's dtype, summed in float32 in block order, without atomics.
     """
-    return sum_listed_keys_p.bind(grad, keys, spans)
+    return sum_listed_keys_p.bind(grad, slots, spans)
 
 
-def _sum_listed_keys_xla(grad, keys, spans):
-    *lead, blocks, slots, channels, dim = grad.shape
-    key_channels, seqlen_k, dtype = keys.shape[-3], spans.shape[-1], grad.dtype
-    grad = grad.reshape(-1, blocks, slots, channels, dim).astype(jnp.float32)
-    keys = keys.reshape(-1, key_channels, blocks, slots)
-    first = jnp.concatenate([jnp.ones_like(keys[..., :1], jnp.bool_),
-                             keys[..., 1:] != keys[..., :-1]], axis=-1)  # first slots
-    index = keys.transpose(0, 2, 3, 1).reshape(keys.shape[0], blocks * slots, key_channels, 1)
-    weight = first.transpose(0, 2, 3, 1).reshape(index.shape)
-    grad = jnp.where(weight, grad.reshape(-1, blocks * slots, channels, dim), 0)
-    batch = jnp.arange(grad.shape[0])[:, None, None, None]
-    channel = jnp.arange(channels)[None, None, :, None]
+def _sum_listed_keys_xla(grad, slots, spans):
+    *lead, blocks, size, channels, dim = grad.shape
+    key_channels, seqlen_k = slots.shape[-3], slots.shape[-1]
+    grad = grad.reshape(-1, blocks, size, channels, dim)
+    slots = slots.reshape(-1, key_channels, blocks, seqlen_k)
+    spans = spans.reshape(-1, key_channels, 2, seqlen_k)
+
+    def add_block(n, out):  # one block at a time: no [nb, Lk, C, D] temporary
+        slot = slots[:, :, n].transpose(0, 2, 1)  # [B, Lk, Cc]
+        listed = ((spans[:, :, 0] <= n) & (n < spans[:, :, 1])).transpose(0, 2, 1)
+        listed &= (slot >= 0) & (slot < size)
+        rows = jnp.take_along_axis(grad[:, n], jnp.clip(slot, 0, size - 1)[..., None], axis=1)
+        return out + jnp.where(listed[..., None], rows.astype(jnp.float32), 0)
+
     out = jnp.zeros((grad.shape[0], seqlen_k, channels, dim), jnp.float32)
-    out = out.at[batch, index, channel, jnp.arange(dim)].add(grad, mode="promise_in_bounds")
-    return out.astype(dtype).reshape(*lead, seqlen_k, channels, dim)
+    out = jax.lax.fori_loop(0, blocks, add_block, out)
+    return out.astype(grad.dtype).reshape(*lead, seqlen_k, channels, dim)
 
 
-def _sum_listed_keys_abstract_eval(grad, keys, spans):
+def _sum_listed_keys_abstract_eval(grad, slots, spans):
     *lead, _, _, channels, dim = grad.shape
     return _like(grad, (*lead, spans.shape[-1], channels, dim), grad.dtype)
 
@@ -261,7 +262,7 @@ def _sum_listed_keys_batch(args, dims):
 
 
 def _sum_listed_keys_lowering(platform: str):
-    def rule(ctx, grad, keys, spans):
+    def rule(ctx, grad, slots, spans):
         from jax_dmattn import sharding
 
         kernel = platform == "cpu" or (platform == "cuda" and _ffi.has_cuda_kernels())
@@ -270,7 +271,7 @@ def _sum_listed_keys_lowering(platform: str):
             fn = sharding.kernel_sum_listed_keys
         else:
             fn = _sum_listed_keys_xla
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, grad, keys, spans)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, grad, slots, spans)
 
     return rule
 

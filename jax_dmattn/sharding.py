@@ -320,8 +320,8 @@ def kernel_backward(platform, params, opts, *operands):
 # ---- batch-parallel calls ---------------------------------------------------------------------
 
 
-def _listed_keys_lead(keys_ndim: int) -> int:
-    return keys_ndim - 3  # keys [*B, Cc, nb, U]
+def _listed_keys_lead(slots_ndim: int) -> int:
+    return slots_ndim - 3  # slots [*B, Cc, nb, Lk]
 
 
 def _listed_keys_partition(mesh, arg_infos, result_infos):
@@ -338,14 +338,14 @@ def _listed_keys_partition(mesh, arg_infos, result_infos):
 def _listed_keys_rule(mesh, value_types, result_types):
     from jax._src.lib.mlir import ir
 
-    grad, keys, _ = (tuple(ir.RankedTensorType(t).shape) for t in value_types)
-    lead = _listed_keys_lead(len(keys))
+    grad, slots, _ = (tuple(ir.RankedTensorType(t).shape) for t in value_types)
+    lead = _listed_keys_lead(len(slots))
     batch = " ".join(f"b{i}" for i in range(lead))
-    shared = "c" if keys[lead] == grad[lead + 2] else "s"  # keys per channel, or shared
-    rule = (f"{batch} n u c d, {batch} {shared} n u, {batch} {shared} t k -> {batch} k c d")
+    shared = "c" if slots[lead] == grad[lead + 2] else "s"  # key lists per channel, or shared
+    rule = (f"{batch} n u c d, {batch} {shared} n k, {batch} {shared} t k -> {batch} k c d")
     # (in the order the rule first names them, as Shardy wants)
     return rule, dict(need_replication_factors=tuple(dict.fromkeys(
-        ("n", "u", "c", "d", shared, "t", "k"))))
+        ("n", "u", "c", "d", shared, "k", "t"))))
 
 
 _partitioned_sum_listed_keys = custom_partitioning(_ffi.call_sum_listed_keys)
@@ -356,7 +356,7 @@ _partitioned_sum_listed_keys.def_partition(
     sharding_rule=_listed_keys_rule)
 
 
-def kernel_sum_listed_keys(grad, keys, spans):
+def kernel_sum_listed_keys(grad, slots, spans):
     """:func:`ops.sum_listed_keys` through the platform's kernel, partitioned over the leading
     (batch) dims, which every operand shares; the other dims are replicated."""
-    return _partitioned_sum_listed_keys(grad, keys, spans)
+    return _partitioned_sum_listed_keys(grad, slots, spans)

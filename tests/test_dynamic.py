@@ -244,19 +244,19 @@ def test_bad_inputs_raise(overrides, error, match):
 
 
 def listed_keys_problem(rng, batch, seqlen_k, block, channels, key_channels, dim, dtype):
-    """Random key ranges listed per block (masks.list_block_keys), the blocks' spans and a
-    random cotangent ``[B, nb, U, C, D]``."""
+    """Random key ranges listed per block (masks.list_block_keys_and_slots), the blocks' spans
+    and a random cotangent ``[B, nb, U, C, D]``."""
     first = rng.integers(0, seqlen_k, (batch, key_channels, seqlen_k)).astype(np.int32)
     end = np.minimum(first + rng.integers(0, 3 * block, first.shape), seqlen_k).astype(np.int32)
     size = seqlen_k
-    keys, _, _ = masks.list_block_keys(jnp.asarray(first), jnp.asarray(end), block=block,
-                                       size=size, seqlen_q=seqlen_k)
+    keys, _, _, slots = masks.list_block_keys_and_slots(
+        jnp.asarray(first), jnp.asarray(end), block=block, size=size, seqlen_q=seqlen_k)
     start = first // block
     stop = np.where(first < end, (end - 1) // block + 1, start)
     spans = np.stack([start, stop], axis=2).astype(np.int32)
     num_blocks = keys.shape[2]
     grad = rng.standard_normal((batch, num_blocks, size, channels, dim)).astype(np.float32)
-    return jnp.asarray(round_to(grad, dtype), dtype), keys, jnp.asarray(spans)
+    return jnp.asarray(round_to(grad, dtype), dtype), keys, slots, jnp.asarray(spans)
 
 
 def sum_listed_keys_bruteforce(grad, keys, spans):
@@ -277,6 +277,7 @@ LISTED_KEYS_CASES = [  # (B, Lk, block, C, Cc, D, dtype)
     (2, 50, 8, 3, 3, "float32"),
     (1, 70, 16, 2, 1, "bfloat16"),
     (3, 33, 5, 1, 1, "float16"),
+    (1, 3000, 200, 2, 1, "bfloat16"),  # lists of 3000 slots: the CUDA kernel's long search
 ]
 
 
@@ -285,22 +286,22 @@ LISTED_KEYS_CASES = [  # (B, Lk, block, C, Cc, D, dtype)
 def test_sum_listed_keys_matches_bruteforce(case, dim):
     batch, seqlen_k, block, channels, key_channels, dtype = case
     rng = np.random.default_rng(seqlen_k * 10 + dim)
-    grad, keys, spans = listed_keys_problem(rng, batch, seqlen_k, block, channels, key_channels,
-                                            dim, dtype)
+    grad, keys, slots, spans = listed_keys_problem(rng, batch, seqlen_k, block, channels,
+                                                   key_channels, dim, dtype)
     assert np.any(np.diff(np.asarray(keys), axis=-1) == 0), "some tail slots repeat a key"
     expected = sum_listed_keys_bruteforce(grad, keys, spans)
-    got = jax.jit(ops.sum_listed_keys)(grad, keys, spans)
+    got = jax.jit(ops.sum_listed_keys)(grad, slots, spans)
     if CPU_IMPL == "cpu":  # the extension's kernel, not the XLA fallback
         assert "dmattn_sum_listed_keys" in jax.jit(ops.sum_listed_keys).lower(
-            grad, keys, spans).as_text()
+            grad, slots, spans).as_text()
     assert got.dtype == grad.dtype and got.shape == expected.shape
     # float32 sums, one rounding to the output dtype (half an ulp: 2^-8 relative for bfloat16)
     rtol = {"float32": 1e-6, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=rtol, atol=1e-6)
-    xla = jax.jit(ops._sum_listed_keys_xla)(grad, keys, spans)
+    xla = jax.jit(ops._sum_listed_keys_xla)(grad, slots, spans)
     np.testing.assert_allclose(np.asarray(xla, np.float64), expected, rtol=rtol, atol=1e-6)
     batched = jax.vmap(ops.sum_listed_keys, in_axes=(0, None, None))(
-        jnp.stack([grad, -grad]), keys, spans)
+        jnp.stack([grad, -grad]), slots, spans)
     np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(got))
     np.testing.assert_array_equal(np.asarray(batched[1]), -np.asarray(got))
 
@@ -324,8 +325,9 @@ def test_matches_reference_on_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 128, 256])
+@pytest.mark.parametrize("dim", [1, 20, 128, 300])
 @pytest.mark.parametrize("case", LISTED_KEYS_CASES, ids=str)
 def test_sum_listed_keys_on_gpu(case, dim):
-    """The CUDA kernel (one warp per key and channel) against the brute force."""
+    """The CUDA kernel (one warp per key and channel; 300: two head-dim chunks) against the
+    brute force."""
     test_sum_listed_keys_matches_bruteforce(case, dim)

@@ -170,11 +170,11 @@ struct BackwardArgs {
 };
 
 // The gradient of dynamic attention's per-block key gathers (jax_dmattn/dynamic.py):
-//   out[b, j, c, :] = sum of grad[b, n, u, c, :] over the blocks n in [spans[b, cc, 0, j],
-//   spans[b, cc, 1, j]) that list key j, u its slot in keys[b, cc, n, :]
-// (ascending; unused tail slots repeat the last listed key), cc = c or 0 (keys shared by the
-// channels). grad [*B, nb, U, C, D], keys [*B, Cc, nb, U], spans [*B, Cc, 2, Lk] int32,
-// out [*B, Lk, C, D]; fp32 sums, no atomics.
+//   out[b, j, c, :] = sum of grad[b, n, slots[b, cc, n, j], c, :] over the blocks n in
+//   [spans[b, cc, 0, j], spans[b, cc, 1, j]) (those that list key j; slots outside [0, U) add
+//   nothing), cc = c or 0 (key lists shared by the channels). grad [*B, nb, U, C, D],
+//   slots [*B, Cc, nb, Lk], spans [*B, Cc, 2, Lk] int32, out [*B, Lk, C, D]; fp32 sums in block
+//   order, no atomics.
 struct ListedKeysShape {
   int64_t batch = 0;  // product of the leading dims
   int64_t blocks = 0, slots = 0, channels = 0, dim = 0, key_channels = 0, seqlen_k = 0;
@@ -183,7 +183,7 @@ struct ListedKeysShape {
 
 struct ListedKeysArgs {
   const void* grad = nullptr;
-  const int32_t* keys = nullptr;
+  const int32_t* slots = nullptr;
   const int32_t* spans = nullptr;
   void* out = nullptr;
 };

@@ -1,5 +1,4 @@
-// SumListedKeys (cpu/attention.h): one task per (batch, key), the key's slot in each block that
-// lists it found by binary search.
+// SumListedKeys (cpu/attention.h): one task per (batch, key), its blocks in order.
 #include <algorithm>
 #include <vector>
 
@@ -21,11 +20,13 @@ void SumListedKeysTyped(const ListedKeysShape& s, const ListedKeysArgs& a,
     for (int64_t c = 0; c < C; ++c) {
       const int64_t cc = s.key_channels == 1 ? 0 : c;
       const int32_t* span = a.spans + (b * s.key_channels + cc) * 2 * Lk;
+      const int32_t* slots = a.slots + (b * s.key_channels + cc) * s.blocks * Lk;
+      const int64_t n_begin = std::max<int64_t>(span[j], 0);
+      const int64_t n_end = std::min<int64_t>(span[Lk + j], s.blocks);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t n = span[j]; n < span[Lk + j]; ++n) {
-        const int32_t* list = a.keys + ((b * s.key_channels + cc) * s.blocks + n) * U;
-        const int64_t u = std::lower_bound(list, list + U, static_cast<int32_t>(j)) - list;
-        if (u == U || list[u] != j) continue;  // not listed: nothing to add
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        const int64_t u = slots[n * Lk + j];
+        if (u < 0 || u >= U) continue;
         const T* g = grad + (((b * s.blocks + n) * U + u) * C + c) * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += ToFloat(g[d]);
       }

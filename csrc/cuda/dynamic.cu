@@ -72,53 +72,52 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   if (lane == 0) leave[row * lk + j] = at;
 }
 
-// One warp per (batch, key, channel). The lanes find the key's slot in up to 32 of its blocks at
-// once (one binary search each: a key kept by many rows is listed by many blocks, and searching
-// them one after the other made the longest warps ~12 memory round trips per block); then lane
-// l sums elements l, l + 32, ... of the head dim over the blocks found.
+// SumListedKeys: one warp per (batch, key, channel). The lanes read the key's slot in 32 of its
+// blocks at once; then the warp adds the blocks' rows in block order, lane l owning elements
+// l, l + 32, ... of each chunk of kSumChunk.
+constexpr int kSumChunk = 256;
+
 template <typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     sum_listed_keys_kernel(const ListedKeysShape s, const ListedKeysArgs a) {
-  constexpr int kPerLane = kListedKeysMaxDim / 32;
+  constexpr int kPerLane = kSumChunk / 32;
   const int lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (w >= s.batch * s.seqlen_k * s.channels) return;  // warp-uniform
   const int64_t c = w % s.channels, j = (w / s.channels) % s.seqlen_k;
   const int64_t b = w / (s.channels * s.seqlen_k);
   const int64_t cc = s.key_channels == 1 ? 0 : c;
-  const int32_t* span = a.spans + (b * s.key_channels + cc) * 2 * s.seqlen_k;
-  const int32_t* lists = a.keys + (b * s.key_channels + cc) * s.blocks * s.slots;
-  const T* grad =
-      static_cast<const T*>(a.grad) + (b * s.blocks * s.slots * s.channels + c) * s.dim;
-  const int n_stop = span[s.seqlen_k + j];
-  float acc[kPerLane] = {};
-  for (int n0 = span[j]; n0 < n_stop; n0 += 32) {
-    int slot = -1;  // this lane's block n0 + lane: the slot of key j, if listed
-    if (n0 + lane < n_stop) {
-      const int32_t* list = lists + (n0 + lane) * s.slots;
-      int lo = 0, hi = static_cast<int>(s.slots);  // first slot holding a key >= j
-      while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (list[mid] < j) lo = mid + 1; else hi = mid;
-      }
-      if (lo < s.slots && list[lo] == j) slot = lo;
-    }
-    for (unsigned found = __ballot_sync(0xffffffffu, slot >= 0); found; found &= found - 1) {
-      const int src = __ffs(found) - 1;
-      const int u = __shfl_sync(0xffffffffu, slot, src);
-      const T* g = grad + (static_cast<int64_t>(n0 + src) * s.slots + u) * s.channels * s.dim;
+  const int64_t lk = s.seqlen_k, row = s.channels * s.dim;
+  const int32_t* span = a.spans + (b * s.key_channels + cc) * 2 * lk;
+  const int32_t* slots = a.slots + (b * s.key_channels + cc) * s.blocks * lk + j;
+  const T* grad = static_cast<const T*>(a.grad) + (b * s.blocks * s.slots * s.channels + c) * s.dim;
+  T* out = static_cast<T*>(a.out) + ((b * lk + j) * s.channels + c) * s.dim;
+  const int n_begin = max(span[j], 0);
+  const int n_end = static_cast<int>(min(static_cast<int64_t>(span[lk + j]), s.blocks));
+  for (int64_t d0 = 0; d0 < s.dim; d0 += kSumChunk) {
+    float acc[kPerLane] = {};
+    for (int n0 = n_begin; n0 < n_end; n0 += 32) {
+      const int n = n0 + lane;
+      const int32_t u = n < n_end ? slots[static_cast<int64_t>(n) * lk] : -1;
+      const int64_t offset =
+          u >= 0 && u < s.slots ? (static_cast<int64_t>(n) * s.slots + u) * row : -1;
+      const int count = min(32, n_end - n0);
+#pragma unroll 4
+      for (int i = 0; i < count; ++i) {
+        const int64_t at = __shfl_sync(0xffffffffu, offset, i);
+        if (at < 0) continue;  // warp-uniform
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        const int64_t d = lane + 32 * e;
-        if (d < s.dim) acc[e] += static_cast<float>(g[d]);
+        for (int e = 0; e < kPerLane; ++e) {
+          const int64_t d = d0 + lane + 32 * e;
+          if (d < s.dim) acc[e] += static_cast<float>(grad[at + d]);
+        }
       }
     }
-  }
-  T* o = static_cast<T*>(a.out) + ((b * s.seqlen_k + j) * s.channels + c) * s.dim;
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) {
-    const int64_t d = lane + 32 * e;
-    if (d < s.dim) o[d] = static_cast<T>(acc[e]);
+    for (int e = 0; e < kPerLane; ++e) {
+      const int64_t d = d0 + lane + 32 * e;
+      if (d < s.dim) out[d] = static_cast<T>(acc[e]);
+    }
   }
 }
 
@@ -128,7 +127,7 @@ cudaError_t LaunchSumListedKeys(const ListedKeysShape& s, const ListedKeysArgs& 
   const int64_t warps = s.batch * s.seqlen_k * s.channels;
   const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (blocks > 0x7fffffff || s.blocks > 0x7fffffff - 32) return cudaErrorInvalidConfiguration;
   sum_listed_keys_kernel<T><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
       s, a);
   return cudaGetLastError();

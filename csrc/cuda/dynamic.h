@@ -20,8 +20,7 @@ cudaError_t TopkLeave(const int32_t* key, int32_t* leave, int64_t rows, int64_t 
                       cudaStream_t stream);
 
 // out <- the listed-keys gradient sum (common/params.h): one warp per (batch, key, channel),
-// dim <= kListedKeysMaxDim. Launches on `stream`; never synchronises.
-constexpr int64_t kListedKeysMaxDim = 256;
+// deterministic. Launches on `stream`; never synchronises.
 cudaError_t SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,
                           cudaStream_t stream);
 

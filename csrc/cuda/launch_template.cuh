@@ -45,7 +45,7 @@ template <>
 struct BwdConfig<96> : BwdTiles<96, BwdTraits<96, 64, 64, 8, 4, 4, 4, 2>> {};
 template <>
 struct BwdConfig<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>,
-                                 BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {};
+                                 BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>> {};
 template <>
 struct BwdConfig<192> : BwdTiles<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
 template <>

@@ -61,11 +61,11 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
-ffi::Error CpuSumListedKeys(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer keys,
+ffi::Error CpuSumListedKeys(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer slots,
                             ffi::AnyBuffer spans, ffi::Result<ffi::AnyBuffer> out) {
   ListedKeysShape shape;
   ListedKeysArgs ptrs;
-  if (auto e = DecodeListedKeys(grad, keys, spans, *out, &shape, &ptrs); e.failure()) return e;
+  if (auto e = DecodeListedKeys(grad, slots, spans, *out, &shape, &ptrs); e.failure()) return e;
   cpu::SumListedKeys(shape, ptrs, MakeParallelFor(pool));
   return ffi::Error::Success();
 }

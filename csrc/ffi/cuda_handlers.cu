@@ -65,16 +65,11 @@ ffi::Error CudaTopkLeave(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
       "topk_leave");
 }
 
-ffi::Error CudaSumListedKeys(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer keys,
+ffi::Error CudaSumListedKeys(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer slots,
                              ffi::AnyBuffer spans, ffi::Result<ffi::AnyBuffer> out) {
   ListedKeysShape shape;
   ListedKeysArgs ptrs;
-  if (auto e = DecodeListedKeys(grad, keys, spans, *out, &shape, &ptrs); e.failure()) return e;
-  if (shape.dim > cuda::kListedKeysMaxDim) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: listed keys: the CUDA kernel takes dims up to " +
-                          std::to_string(cuda::kListedKeysMaxDim));
-  }
+  if (auto e = DecodeListedKeys(grad, slots, spans, *out, &shape, &ptrs); e.failure()) return e;
   return CudaStatus(cuda::SumListedKeys(shape, ptrs, stream), "sum_listed_keys");
 }
 

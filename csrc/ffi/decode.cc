@@ -370,9 +370,9 @@ ffi::Error DecodeBackward(const ffi::RemainingArgs& args, const ffi::RemainingRe
   return DecodeFrame<BackwardArgs>(DecodeBackward, args, rets, attrs, shape, ptrs);
 }
 
-ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer keys, ffi::AnyBuffer spans,
+ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer slots, ffi::AnyBuffer spans,
                             ffi::AnyBuffer out, ListedKeysShape* s, ListedKeysArgs* p) {
-  const auto gd = grad.dimensions(), kd = keys.dimensions(), sd = spans.dimensions(),
+  const auto gd = grad.dimensions(), kd = slots.dimensions(), sd = spans.dimensions(),
              od = out.dimensions();
   const size_t lead = kd.size() < 3 ? 0 : kd.size() - 3;
   auto shapes = [&] {
@@ -380,7 +380,7 @@ ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer keys, ffi::AnyBu
   };
   if (kd.size() < 3 || gd.size() != lead + 4 || sd.size() != lead + 3 ||
       od.size() != lead + 3) {
-    return Invalid("listed keys: grad [*B, nb, U, C, D], keys [*B, Cc, nb, U], spans "
+    return Invalid("listed keys: grad [*B, nb, U, C, D], slots [*B, Cc, nb, Lk], spans "
                    "[*B, Cc, 2, Lk], out [*B, Lk, C, D] expected, got " + shapes());
   }
   s->batch = 1;
@@ -396,20 +396,20 @@ ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer keys, ffi::AnyBu
   s->dim = gd[lead + 3];
   s->key_channels = kd[lead];
   s->seqlen_k = od[lead];
-  const bool ok = kd[lead + 1] == s->blocks && kd[lead + 2] == s->slots &&
+  const bool ok = kd[lead + 1] == s->blocks && kd[lead + 2] == s->seqlen_k &&
                   (s->key_channels == 1 || s->key_channels == s->channels) &&
                   sd[lead] == s->key_channels && sd[lead + 1] == 2 && sd[lead + 2] == s->seqlen_k &&
                   od[lead + 1] == s->channels && od[lead + 2] == s->dim;
   if (!ok) return Invalid("listed keys: inconsistent shapes " + shapes());
-  if (keys.element_type() != ffi::DataType::S32 || spans.element_type() != ffi::DataType::S32) {
-    return Invalid("listed keys: keys and spans must be int32");
+  if (slots.element_type() != ffi::DataType::S32 || spans.element_type() != ffi::DataType::S32) {
+    return Invalid("listed keys: slots and spans must be int32");
   }
   const auto dtype = AttentionElementType(grad.element_type());
   if (dtype.has_error()) return Invalid("listed keys: grad must be float32, float16 or bfloat16");
   if (auto e = ExpectSameType(out, grad.element_type(), "out"); e.failure()) return e;
   s->dtype = *dtype;
   p->grad = grad.untyped_data();
-  p->keys = static_cast<const int32_t*>(keys.untyped_data());
+  p->slots = static_cast<const int32_t*>(slots.untyped_data());
   p->spans = static_cast<const int32_t*>(spans.untyped_data());
   p->out = out.untyped_data();
   return ffi::Error::Success();

@@ -47,9 +47,9 @@ xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
                                const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
                                AttentionShape* shape, BackwardArgs* ptrs);
 
-// The listed-keys gradient sum (common/params.h, ListedKeysShape): args grad, keys, spans;
+// The listed-keys gradient sum (common/params.h, ListedKeysShape): args grad, slots, spans;
 // ret out.
-xla::ffi::Error DecodeListedKeys(xla::ffi::AnyBuffer grad, xla::ffi::AnyBuffer keys,
+xla::ffi::Error DecodeListedKeys(xla::ffi::AnyBuffer grad, xla::ffi::AnyBuffer slots,
                                  xla::ffi::AnyBuffer spans, xla::ffi::AnyBuffer out,
                                  ListedKeysShape* shape, ListedKeysArgs* ptrs);
 

@@ -889,6 +889,13 @@ void Bench(bool variants) {
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
   benches.push_back({"per-key bias, mask[B,Hk,L,L] d128 L16k H2 Hk1 causal", mk("b5", 1, 2, 1, 16384, 128, true, false, true), 0});
   {
+    // dynamic_attention's small problems at L16k W1024: 32 query blocks of 512 rows, 1536 keys
+    Case c = mk("b8", 32, 2, 1, 512, 128, false, false, true);
+    c.Lk = 1536;
+    c.mask_density = 0.67f;
+    benches.push_back({"per-key bias, mask[B,1,512,1536] d128 B32 H2 Hk1", c, 0});
+  }
+  {
     Case c = mk("b6", 1, 16, 16, 8192, 128, false, false, false);
     c.mask = Op({1}, 1, true, true);
     c.mask_density = 1.f;
