@@ -11,6 +11,7 @@ import numpy as np
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
 TOPK_LEAVE_TARGET = "dmattn_topk_leave"
+RANGE_MASK_TARGET = "dmattn_range_mask"
 SUM_LISTED_KEYS_TARGET = "dmattn_sum_listed_keys"
 
 
@@ -138,6 +139,14 @@ def call_topk_leave(key, window: int):
     register_targets()
     result = jax.ShapeDtypeStruct(key.shape, np.int32)
     return jax.ffi.ffi_call(TOPK_LEAVE_TARGET, result)(key, window=np.int64(window))
+
+
+def call_range_mask(first, end, block: int):
+    """The CUDA per-block range mask (csrc/cuda/dynamic.h): int32 ``[..., nb, U]`` row ranges ->
+    bool ``[..., nb, block, U]``."""
+    register_targets()
+    result = jax.ShapeDtypeStruct((*first.shape[:-1], block, first.shape[-1]), np.bool_)
+    return jax.ffi.ffi_call(RANGE_MASK_TARGET, result)(first, end, block=np.int64(block))
 
 
 def call_sum_listed_keys(grad, slots, spans):

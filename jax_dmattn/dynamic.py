@@ -88,9 +88,7 @@ def dynamic_attention(
     # The blocks that list each key: those its rows [first, end) overlap.
     start = first // block
     spans = jnp.stack([start, jnp.where(first < end, (end - 1) // block + 1, start)], axis=2)
-    rows = (jnp.arange(num_blocks, dtype=jnp.int32)[:, None] * block
-            + jnp.arange(block, dtype=jnp.int32))[:, :, None]  # [nb, Bq, 1]
-    mask = (first_row[:, :, :, None, :] <= rows) & (rows < end_row[:, :, :, None, :])
+    mask = masks.block_range_mask(first_row, end_row, block)  # [B|1, Hk|1, nb, Bq, U]
     listing = (keys, slots, spans)
     kv_listing = tuple(jnp.broadcast_to(x, (dims.batch, *x.shape[1:])) for x in listing)
     out, lse = flash_dmattn(

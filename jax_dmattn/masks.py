@@ -527,6 +527,51 @@ def list_block_keys_and_slots(
             slots.reshape(*lead, num_blocks, lk))
 
 
+def block_range_mask(first_row: jax.Array, end_row: jax.Array, block: int) -> jax.Array:
+    """The masks of :func:`topk_block_keys`' lists: int32 ``[..., nb, U]`` row ranges -> bool
+    ``[..., nb, block, U]``, true where row ``n · block + r`` keeps slot ``u`` of block ``n``
+    (``first_row[..., n, u] <= n · block + r < end_row[..., n, u]``). One CUDA kernel on GPUs
+    (XLA's fusion wrote the bool array at a quarter of the bandwidth)."""
+    return _range_mask_p.bind(first_row, end_row, block=block)
+
+
+def _range_mask_xla(first_row: jax.Array, end_row: jax.Array, *, block: int) -> jax.Array:
+    shape = (first_row.shape[-2], block, 1)
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) * block + lax.broadcasted_iota(
+        jnp.int32, shape, 1)
+    return (first_row[..., None, :] <= rows) & (rows < end_row[..., None, :])
+
+
+_range_mask_p = Primitive("dmattn_range_mask")
+_range_mask_p.def_impl(partial(dispatch.apply_primitive, _range_mask_p))
+_range_mask_p.def_abstract_eval(lambda first, end, *, block: first.update(
+    shape=(*first.shape[:-1], block, first.shape[-1]), dtype=jnp.bool_, weak_type=False))
+
+
+def _range_mask_jvp(primals, tangents, *, block):
+    mask = _range_mask_p.bind(*primals, block=block)
+    return mask, ad.Zero.from_primal_value(mask)  # boolean: no tangent
+
+
+def _range_mask_batch(args, dims, *, block):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    first, end = (jnp.moveaxis(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
+                  for x, d in zip(args, dims, strict=True))
+    return _range_mask_p.bind(first, end, block=block), 0
+
+
+def _range_mask_cuda_lowering(ctx, first, end, *, block):
+    kernel = _ffi.has_cuda_kernels()
+    fn = partial(_ffi.call_range_mask if kernel else _range_mask_xla, block=block)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, first, end)
+
+
+ad.primitive_jvps[_range_mask_p] = _range_mask_jvp
+batching.primitive_batchers[_range_mask_p] = _range_mask_batch
+mlir.register_lowering(_range_mask_p, mlir.lower_fun(_range_mask_xla, multiple_results=False))
+mlir.register_lowering(_range_mask_p, _range_mask_cuda_lowering, platform="cuda")
+
+
 # ---- static masks -----------------------------------------------------------------------------
 
 

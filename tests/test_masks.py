@@ -407,6 +407,51 @@ def test_leave_positions_cuda_match_xla(rows, lk, window, kind):
     np.testing.assert_array_equal(np.asarray(batched)[:, 0], np.asarray(expected))
 
 
+RANGE_MASK_CASES = [  # (leading dims, blocks, block, slots)
+    ((), 1, 1, 1), ((2,), 3, 5, 37), ((1, 2), 4, 64, 128), ((2, 1), 2, 100, 1536),
+]
+
+
+def range_mask_bruteforce(first, end, block):
+    rows = np.arange(first.shape[-2])[:, None, None] * block + np.arange(block)[:, None]
+    return (first[..., None, :] <= rows) & (rows < end[..., None, :])
+
+
+def random_row_ranges(rng, lead, num_blocks, block, slots):
+    """Ranges around each block's rows: empty (first >= end), inside, across and outside."""
+    lq = num_blocks * block
+    first = rng.integers(-2, lq + 2, (*lead, num_blocks, slots)).astype(np.int32)
+    end = (first + rng.integers(-3, 2 * block, first.shape)).astype(np.int32)
+    return first, end
+
+
+@pytest.mark.parametrize("lead,num_blocks,block,slots", RANGE_MASK_CASES)
+def test_block_range_mask_matches_bruteforce(lead, num_blocks, block, slots):
+    rng = np.random.default_rng(num_blocks * 1000 + block + slots)
+    first, end = random_row_ranges(rng, lead, num_blocks, block, slots)
+    expected = range_mask_bruteforce(first, end, block)
+    assert expected.size < 100 or (expected.any() and not expected.all())
+    got = jax.jit(masks.block_range_mask, static_argnums=2)(first, end, block)
+    assert got.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    batched = jax.vmap(masks.block_range_mask, in_axes=(0, None, None))(
+        np.stack([first, end - 1]), end, block)
+    np.testing.assert_array_equal(np.asarray(batched[0]), expected)
+    np.testing.assert_array_equal(np.asarray(batched[1]),
+                                  range_mask_bruteforce(end - 1, end, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,num_blocks,block,slots", RANGE_MASK_CASES)
+def test_block_range_mask_on_gpu(lead, num_blocks, block, slots):
+    """The CUDA kernel (16-byte stores when U % 16 == 0, bytes otherwise) against the brute
+    force."""
+    assert "dmattn_range_mask" in jax.jit(masks.block_range_mask, static_argnums=2).lower(
+        np.zeros((*lead, num_blocks, slots), np.int32), np.zeros((*lead, num_blocks, slots),
+                                                                 np.int32), block).as_text()
+    test_block_range_mask_matches_bruteforce(lead, num_blocks, block, slots)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("lead,lq,lk,window", PER_KEY_CASES)

@@ -133,7 +133,50 @@ cudaError_t LaunchSumListedKeys(const ListedKeysShape& s, const ListedKeysArgs& 
   return cudaGetLastError();
 }
 
+constexpr int kMaskSlots = 16;  // per thread: one 16-byte store
+
+__global__ void range_mask_kernel(const int32_t* __restrict__ first,
+                                  const int32_t* __restrict__ end, bool* __restrict__ mask,
+                                  int64_t total, int64_t num_blocks, int64_t block,
+                                  int64_t slots) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= total) return;
+  const int64_t chunks = (slots + kMaskSlots - 1) / kMaskSlots;
+  const int64_t u0 = t % chunks * kMaskSlots, r = t / chunks % block, gn = t / (chunks * block);
+  const int64_t row = gn % num_blocks * block + r;
+  const int32_t* f = first + gn * slots;
+  const int32_t* e = end + gn * slots;
+  bool* out = mask + (gn * block + r) * slots;
+  if (slots % kMaskSlots == 0) {  // whole, aligned 16-byte chunks
+    uint32_t bits[kMaskSlots / 4];
+#pragma unroll
+    for (int w = 0; w < kMaskSlots / 4; ++w) {
+      bits[w] = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int64_t u = u0 + 4 * w + b;
+        bits[w] |= static_cast<uint32_t>(f[u] <= row && row < e[u]) << (8 * b);
+      }
+    }
+    *reinterpret_cast<uint4*>(out + u0) = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+    return;
+  }
+  for (int64_t u = u0; u < min(u0 + kMaskSlots, slots); ++u) out[u] = f[u] <= row && row < e[u];
+}
+
 }  // namespace
+
+cudaError_t RangeMask(const int32_t* first, const int32_t* end, bool* mask, int64_t groups,
+                      int64_t num_blocks, int64_t block, int64_t slots, cudaStream_t stream) {
+  const int64_t total = groups * block * ((slots + kMaskSlots - 1) / kMaskSlots);
+  if (total == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  range_mask_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      first, end, mask, total, num_blocks, block, slots);
+  return cudaGetLastError();
+}
 
 cudaError_t SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,
                           cudaStream_t stream) {

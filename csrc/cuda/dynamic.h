@@ -19,6 +19,12 @@ namespace dmattn::cuda {
 cudaError_t TopkLeave(const int32_t* key, int32_t* leave, int64_t rows, int64_t lk, int64_t window,
                       cudaStream_t stream);
 
+// mask[g, n, r, u] = first[g, n, u] <= n * block + r < end[g, n, u]: the per-block masks of
+// dynamic attention's compact key lists, bool [G, nb, block, U] from int32 [G, nb, U] row
+// ranges (16 slots per thread). Launches on `stream`; never synchronises.
+cudaError_t RangeMask(const int32_t* first, const int32_t* end, bool* mask, int64_t groups,
+                      int64_t num_blocks, int64_t block, int64_t slots, cudaStream_t stream);
+
 // out <- the listed-keys gradient sum (common/params.h): one warp per (batch, key, channel),
 // deterministic. Launches on `stream`; never synchronises.
 cudaError_t SumListedKeys(const ListedKeysShape& shape, const ListedKeysArgs& args,

@@ -65,6 +65,28 @@ ffi::Error CudaTopkLeave(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
       "topk_leave");
 }
 
+ffi::Error CudaRangeMask(cudaStream_t stream, ffi::Buffer<ffi::S32> first,
+                         ffi::Buffer<ffi::S32> end, ffi::ResultBuffer<ffi::PRED> mask,
+                         int64_t block) {
+  const auto fd = first.dimensions(), ed = end.dimensions(), md = mask->dimensions();
+  const size_t rank = fd.size();  // [..., nb, U] -> [..., nb, block, U]
+  bool ok = rank >= 2 && ed.size() == rank && md.size() == rank + 1 && block >= 1 &&
+            ed[rank - 1] == fd[rank - 1] && md[rank - 1] == block && md[rank] == fd[rank - 1];
+  int64_t groups = 1;  // every (..., n)
+  for (size_t d = 0; ok && d + 1 < rank; ++d) {
+    ok = ed[d] == fd[d] && md[d] == fd[d];
+    groups *= fd[d];
+  }
+  if (!ok) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: range_mask takes first and end [..., nb, U] and returns "
+                      "mask [..., nb, block, U]");
+  }
+  return CudaStatus(cuda::RangeMask(first.typed_data(), end.typed_data(), mask->typed_data(),
+                                    groups, fd[rank - 2], block, fd[rank - 1], stream),
+                    "range_mask");
+}
+
 ffi::Error CudaSumListedKeys(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer slots,
                              ffi::AnyBuffer spans, ffi::Result<ffi::AnyBuffer> out) {
   ListedKeysShape shape;
@@ -98,6 +120,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnTopkLeaveCuda, dmattn::CudaTopkLeave,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int64_t>("window"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnRangeMaskCuda, dmattn::CudaRangeMask,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Attr<int64_t>("block"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnSumListedKeysCuda, dmattn::CudaSumListedKeys,

@@ -39,6 +39,7 @@ nb::dict Registrations() {
   cuda["dmattn_fwd"] = Capsule(DmattnForwardCuda);
   cuda["dmattn_bwd"] = Capsule(DmattnBackwardCuda);
   cuda["dmattn_topk_leave"] = Capsule(DmattnTopkLeaveCuda);
+  cuda["dmattn_range_mask"] = Capsule(DmattnRangeMaskCuda);
   cuda["dmattn_sum_listed_keys"] = Capsule(DmattnSumListedKeysCuda);
   platforms["CUDA"] = cuda;
 #endif
