@@ -53,6 +53,7 @@ class Bench:
     quick: bool
     iters: int
     warmup: int
+    warmup_s: float
 
     @property
     def ours(self) -> str | None:
@@ -182,7 +183,8 @@ def time_cell(bench: Bench, fn: Callable, *args) -> dict:
     """{"ms": median ms of ``fn(*args)``} or {"error": why}: one failing cell must not stop the
     run."""
     try:
-        return {"ms": round(median_ms(fn, *args, warmup=bench.warmup, iters=bench.iters), 4)}
+        return {"ms": round(median_ms(fn, *args, warmup=bench.warmup, iters=bench.iters,
+                                      warmup_s=bench.warmup_s), 4)}
     except Exception as error:
         return {"error": reason(error)}
 
@@ -465,7 +467,8 @@ def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict)
               f"python {meta['python']}",
               f"- date: {meta['date']}",
               f"- bf16, random normal inputs; median of {meta['iters']} timed calls after "
-              f"{meta['warmup']} warm-up call(s), each waited on with block_until_ready; fwd = jit "
+              f"{meta['warmup']} warm-up call(s) and at least {meta.get('warmup_s', 0)} s of "
+              "warm-up calls, each waited on with block_until_ready; fwd = jit "
               "forward, fwd+bwd = jit of value_and_grad wrt q, k, v (and the bias when there is "
               "one); speedup vs cuDNN = cuDNN ms / jax_dmattn ms"]
     lines += [f"- {note}" for note in notes] + [""] + table(rows, suite)
@@ -491,7 +494,7 @@ def main() -> None:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed calls (default 20; 3 with --quick on a GPU; 1 on the CPU)")
+                        help="timed calls (default 30; 3 with --quick on a GPU; 1 on the CPU)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default benchmarks/results; smoke tests need one "
                              "outside it, e.g. /tmp/bench_smoke)")
@@ -520,10 +523,13 @@ def main() -> None:
     if on_gpu and not has_cuda:
         say("warning: this jax_dmattn build has no CUDA kernels; its cells will read n/a")
 
-    iters = args.iters or (20 if on_gpu and not args.quick else 3 if on_gpu else 1)
-    bench = Bench(on_gpu=on_gpu, quick=args.quick, iters=iters, warmup=1 if args.quick else 3)
+    iters = args.iters or (30 if on_gpu and not args.quick else 3 if on_gpu else 1)
+    warmup_s = 0.3 if on_gpu and not args.quick else 0.0
+    bench = Bench(on_gpu=on_gpu, quick=args.quick, iters=iters, warmup=1 if args.quick else 3,
+                  warmup_s=warmup_s)
     meta = {"command": "python " + shlex.join(sys.argv), "smoke_test": smoke or False,
-            "quick": args.quick, "iters": iters, "warmup": bench.warmup, "dtype": "bfloat16",
+            "quick": args.quick, "iters": iters, "warmup": bench.warmup, "warmup_s": warmup_s,
+            "dtype": "bfloat16",
             "ours_implementation": bench.ours,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             **machine_info(on_gpu)}

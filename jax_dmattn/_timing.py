@@ -9,10 +9,16 @@ from collections.abc import Callable
 import jax
 
 
-def median_ms(fn: Callable, *args, warmup: int = 2, iters: int = 20) -> float:
-    """Median milliseconds of ``fn(*args)``, each call waited on with ``block_until_ready``."""
-    for _ in range(warmup):
+def median_ms(fn: Callable, *args, warmup: int = 2, iters: int = 20,
+              warmup_s: float = 0.0) -> float:
+    """Median milliseconds of ``fn(*args)``, each call waited on with ``block_until_ready``,
+    after `warmup` calls and at least `warmup_s` seconds of calls (a GPU idle during compilation
+    runs short calls at lower clocks until its clocks ramp up again)."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < warmup or time.perf_counter() - start < warmup_s:
         jax.block_until_ready(fn(*args))
+        calls += 1
     times = []
     for _ in range(iters):
         start = time.perf_counter()

@@ -133,7 +133,19 @@ cudaError_t LaunchSumListedKeys(const ListedKeysShape& s, const ListedKeysArgs& 
   return cudaGetLastError();
 }
 
-constexpr int kMaskSlots = 16;  // per thread: one 16-byte store
+constexpr int kMaskSlots = 16;  // per thread: 16-byte stores
+constexpr int kMaskRows = 16;   // per thread: one slot chunk's ranges serve this many rows
+
+// Row `row`'s 16 mask bytes for the ranges [f[i], e[i]), packed little-endian into 4 words.
+__device__ __forceinline__ uint4 mask_bytes(const int32_t (&f)[kMaskSlots],
+                                            const int32_t (&e)[kMaskSlots], int64_t row) {
+  uint32_t w[4] = {};
+#pragma unroll
+  for (int i = 0; i < kMaskSlots; ++i) {
+    w[i / 4] |= static_cast<uint32_t>(f[i] <= row && row < e[i]) << (8 * (i % 4));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 __global__ void range_mask_kernel(const int32_t* __restrict__ first,
                                   const int32_t* __restrict__ end, bool* __restrict__ mask,
@@ -142,33 +154,38 @@ __global__ void range_mask_kernel(const int32_t* __restrict__ first,
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= total) return;
   const int64_t chunks = (slots + kMaskSlots - 1) / kMaskSlots;
-  const int64_t u0 = t % chunks * kMaskSlots, r = t / chunks % block, gn = t / (chunks * block);
-  const int64_t row = gn % num_blocks * block + r;
-  const int32_t* f = first + gn * slots;
-  const int32_t* e = end + gn * slots;
-  bool* out = mask + (gn * block + r) * slots;
-  if (slots % kMaskSlots == 0) {  // whole, aligned 16-byte chunks
-    uint32_t bits[kMaskSlots / 4];
+  const int64_t row_groups = (block + kMaskRows - 1) / kMaskRows;
+  const int64_t u0 = t % chunks * kMaskSlots, r0 = t / chunks % row_groups * kMaskRows;
+  const int64_t gn = t / (chunks * row_groups);
+  const int64_t row0 = gn % num_blocks * block;
+  const int32_t* f = first + gn * slots + u0;
+  const int32_t* e = end + gn * slots + u0;
+  bool* out = mask + gn * block * slots + u0;
+  const int64_t r_end = min(r0 + kMaskRows, block);
+  if (slots % kMaskSlots == 0) {  // whole, aligned chunks: 16-byte loads and stores
+    int32_t fs[kMaskSlots], es[kMaskSlots];
 #pragma unroll
-    for (int w = 0; w < kMaskSlots / 4; ++w) {
-      bits[w] = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int64_t u = u0 + 4 * w + b;
-        bits[w] |= static_cast<uint32_t>(f[u] <= row && row < e[u]) << (8 * b);
-      }
+    for (int i = 0; i < kMaskSlots; i += 4) {
+      *reinterpret_cast<int4*>(fs + i) = *reinterpret_cast<const int4*>(f + i);
+      *reinterpret_cast<int4*>(es + i) = *reinterpret_cast<const int4*>(e + i);
     }
-    *reinterpret_cast<uint4*>(out + u0) = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+    for (int64_t r = r0; r < r_end; ++r) {
+      *reinterpret_cast<uint4*>(out + r * slots) = mask_bytes(fs, es, row0 + r);
+    }
     return;
   }
-  for (int64_t u = u0; u < min(u0 + kMaskSlots, slots); ++u) out[u] = f[u] <= row && row < e[u];
+  const int64_t n = min(static_cast<int64_t>(kMaskSlots), slots - u0);
+  for (int64_t r = r0; r < r_end; ++r) {
+    for (int64_t i = 0; i < n; ++i) out[r * slots + i] = f[i] <= row0 + r && row0 + r < e[i];
+  }
 }
 
 }  // namespace
 
 cudaError_t RangeMask(const int32_t* first, const int32_t* end, bool* mask, int64_t groups,
                       int64_t num_blocks, int64_t block, int64_t slots, cudaStream_t stream) {
-  const int64_t total = groups * block * ((slots + kMaskSlots - 1) / kMaskSlots);
+  const int64_t total = groups * ((block + kMaskRows - 1) / kMaskRows) *
+                        ((slots + kMaskSlots - 1) / kMaskSlots);
   if (total == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t blocks = (total + kThreads - 1) / kThreads;
