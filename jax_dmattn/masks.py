@@ -241,9 +241,13 @@ _leave_p.def_impl(partial(dispatch.apply_primitive, _leave_p))
 _leave_p.def_abstract_eval(lambda key, *, window: key.update(dtype=jnp.int32, weak_type=False))
 
 
-def _leave_jvp(primals, tangents, *, window):
-    leave = _leave_p.bind(*primals, window=window)
-    return leave, ad.Zero.from_primal_value(leave)  # integer positions: no tangent
+def _no_tangent(primitive: Primitive):
+    """The jvp of a primitive with an integer or boolean result: a zero tangent."""
+    def jvp(primals, tangents, **params):
+        result = primitive.bind(*primals, **params)
+        return result, ad.Zero.from_primal_value(result)
+
+    return jvp
 
 
 def _leave_batch(args, dims, *, window):
@@ -260,7 +264,7 @@ def _leave_cuda_lowering(ctx, key, *, window):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, key)
 
 
-ad.primitive_jvps[_leave_p] = _leave_jvp
+ad.primitive_jvps[_leave_p] = _no_tangent(_leave_p)
 batching.primitive_batchers[_leave_p] = _leave_batch
 mlir.register_lowering(_leave_p, mlir.lower_fun(_leave_positions_xla, multiple_results=False))
 mlir.register_lowering(_leave_p, _leave_cuda_lowering, platform="cuda")
@@ -548,26 +552,13 @@ _range_mask_p.def_abstract_eval(lambda first, end, *, block: first.update(
     shape=(*first.shape[:-1], block, first.shape[-1]), dtype=jnp.bool_, weak_type=False))
 
 
-def _range_mask_jvp(primals, tangents, *, block):
-    mask = _range_mask_p.bind(*primals, block=block)
-    return mask, ad.Zero.from_primal_value(mask)  # boolean: no tangent
-
-
-def _range_mask_batch(args, dims, *, block):
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    first, end = (jnp.moveaxis(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
-                  for x, d in zip(args, dims, strict=True))
-    return _range_mask_p.bind(first, end, block=block), 0
-
-
 def _range_mask_cuda_lowering(ctx, first, end, *, block):
     kernel = _ffi.has_cuda_kernels()
     fn = partial(_ffi.call_range_mask if kernel else _range_mask_xla, block=block)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, first, end)
 
 
-ad.primitive_jvps[_range_mask_p] = _range_mask_jvp
-batching.primitive_batchers[_range_mask_p] = _range_mask_batch
+ad.primitive_jvps[_range_mask_p] = _no_tangent(_range_mask_p)  # (its vmap rule: batching.py)
 mlir.register_lowering(_range_mask_p, mlir.lower_fun(_range_mask_xla, multiple_results=False))
 mlir.register_lowering(_range_mask_p, _range_mask_cuda_lowering, platform="cuda")
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
 
 from jax_dmattn import _ffi, reference
@@ -254,13 +254,6 @@ def _sum_listed_keys_abstract_eval(grad, slots, spans):
     return _like(grad, (*lead, spans.shape[-1], channels, dim), grad.dtype)
 
 
-def _sum_listed_keys_batch(args, dims):
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    args = [jnp.moveaxis(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
-            for x, d in zip(args, dims, strict=True)]
-    return sum_listed_keys_p.bind(*args), 0
-
-
 def _sum_listed_keys_lowering(platform: str):
     def rule(ctx, grad, slots, spans):
         from jax_dmattn import sharding
@@ -279,7 +272,6 @@ def _sum_listed_keys_lowering(platform: str):
 dispatch.prim_requires_devices_during_lowering.add(sum_listed_keys_p)
 sum_listed_keys_p.def_abstract_eval(_sum_listed_keys_abstract_eval)
 sum_listed_keys_p.def_impl(_eager(sum_listed_keys_p))
-batching.primitive_batchers[sum_listed_keys_p] = _sum_listed_keys_batch
 for _platform in ("cpu", "cuda"):
     mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering(_platform),
                            platform=_platform)
