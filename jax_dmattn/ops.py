@@ -225,7 +225,7 @@ def sum_listed_keys(grad, slots, spans):
     spans[*b, cc, 1, j]))``, ``cc = c`` or 0 when the key lists are shared by the channels: the
     blocks that list key ``j`` and its slot in each (slots outside ``[0, U)`` add nothing). grad
     ``[*B, nb, U, C, D]``, slots ``[*B, Cc, nb, Lk]`` and spans ``[*B, Cc, 2, Lk]`` int32 ->
-    ``[*B, Lk, C, D]`` in grad's dtype, summed in float32 in block order, without atomics.
+    ``[*B, Lk, C, D]`` in grad's dtype, summed in float32 in a fixed order, without atomics.
     """
     return sum_listed_keys_p.bind(grad, slots, spans)
 

@@ -325,9 +325,9 @@ def test_matches_reference_on_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 20, 128, 300])
+@pytest.mark.parametrize("dim", [1, 6, 20, 128, 130, 300])
 @pytest.mark.parametrize("case", LISTED_KEYS_CASES, ids=str)
 def test_sum_listed_keys_on_gpu(case, dim):
-    """The CUDA kernel (one warp per key and channel; 300: two head-dim chunks) against the
-    brute force."""
+    """The CUDA kernel (one warp per key and channel) against the brute force: lanes over blocks
+    (1, 6), lanes over elements with vector loads (20, 128; 300: three chunks) and without (130)."""
     test_sum_listed_keys_matches_bruteforce(case, dim)

@@ -390,11 +390,13 @@ def test_flash_dmattn_with_topk_mask():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,lk,window", [
-    (1, 1, 1), (3, 33, 1), (2, 130, 7), (1, 300, 299), (2, 5000, 1024), (1, 16384, 1024),
+    (1, 1, 1), (3, 33, 1), (2, 130, 7), (1, 300, 299), (2, 5000, 1024), (3, 4099, 700),
+    (1, 16384, 1024),
 ])
 def test_leave_positions_cuda_match_xla(rows, lk, window, kind):
     """The CUDA kernel (one warp per key) against the wavelet-matrix XLA program, exactly, on
-    order keys with ties, NaN and infinities; under vmap (the batching rule) too."""
+    order keys with ties, NaN and infinities; under vmap (the batching rule) too. Rows of a length
+    that is not a multiple of 4 start unaligned (the kernel's scalar loads)."""
     rng = np.random.default_rng(rows * 100003 + lk + window)
     key = masks._order_key(jnp.asarray(make_scores(rng, (rows, lk), kind)))
     got = jax.jit(functools.partial(masks._leave_positions, window=window))(key)
