@@ -11,8 +11,8 @@ constexpr int kWarpsPerBlock = 8;
 
 // TopkLeave: each step a lane makes kLeaveLoads 16-byte loads of 4 keys (1024 keys a step) and
 // counts its own beaters; one warp reduction per step tells whether the window-th beater lies in
-// it, and only that step locates it. (Per-lane counts halve the instructions of a ballot and a
-// popc per 32 keys: the loop is instruction-bound.)
+// it, and only that step locates it. (Per-lane counts take half the instructions of a ballot and
+// a popc per 32 keys: the loop is bound by instruction issue.)
 constexpr int kLeaveLoads = 8;
 constexpr int kLeaveStep = 32 * 4 * kLeaveLoads;
 // One warp per block: a warp that scans the whole row (a key of the final top window) holds no
@@ -91,20 +91,24 @@ __global__ void __launch_bounds__(kLeaveWarps * 32)
     for (int ld = 0; ld < kLeaveLoads; ++ld) {
       v[ld] = load_keys4(k, base + (ld * 32 + lane) * 4, lk, aligned);
     }
-    int mine = 0;
+    int mine[kLeaveLoads];  // independent sums: no chain of dependent adds
     if (base + kLeaveStep <= j) {
 #pragma unroll
-      for (int ld = 0; ld < kLeaveLoads; ++ld) mine += count_beaters<true>(v[ld], kj);
+      for (int ld = 0; ld < kLeaveLoads; ++ld) mine[ld] = count_beaters<true>(v[ld], kj);
     } else if (base > j) {
 #pragma unroll
-      for (int ld = 0; ld < kLeaveLoads; ++ld) mine += count_beaters<false>(v[ld], kj);
+      for (int ld = 0; ld < kLeaveLoads; ++ld) mine[ld] = count_beaters<false>(v[ld], kj);
     } else {  // the step holding key j
 #pragma unroll
       for (int ld = 0; ld < kLeaveLoads; ++ld) {
-        mine += __popc(beater_bits(v[ld], base + (ld * 32 + lane) * 4, kj, j));
+        mine[ld] = __popc(beater_bits(v[ld], base + (ld * 32 + lane) * 4, kj, j));
       }
     }
-    const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, mine));
+#pragma unroll
+    for (int width = kLeaveLoads / 2; width > 0; width /= 2)
+#pragma unroll
+      for (int ld = 0; ld < width; ++ld) mine[ld] += mine[ld + width];
+    const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, mine[0]));
     if (count >= need) {
       at = locate_beater(v, base, kj, j, need, lane);
       break;
