@@ -173,8 +173,8 @@ struct BackwardArgs {
 //   out[b, j, c, :] = sum of grad[b, n, slots[b, cc, n, j], c, :] over the blocks n in
 //   [spans[b, cc, 0, j], spans[b, cc, 1, j]) (those that list key j; slots outside [0, U) add
 //   nothing), cc = c or 0 (key lists shared by the channels). grad [*B, nb, U, C, D],
-//   slots [*B, Cc, nb, Lk], spans [*B, Cc, 2, Lk] int32, out [*B, Lk, C, D]; fp32 sums in block
-//   order, no atomics.
+//   slots [*B, Cc, nb, Lk], spans [*B, Cc, 2, Lk] int32, out [*B, Lk, C, D]; fp32 sums in a
+//   fixed order, no atomics.
 struct ListedKeysShape {
   int64_t batch = 0;  // product of the leading dims
   int64_t blocks = 0, slots = 0, channels = 0, dim = 0, key_channels = 0, seqlen_k = 0;

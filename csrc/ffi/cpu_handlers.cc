@@ -70,26 +70,22 @@ ffi::Error CpuSumListedKeys(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Every CPU handler runs on XLA's thread pool; the attention ones decode their operands
+// themselves.
+auto OnThreadPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+auto AttentionBinding() {
+  return OnThreadPool().RemainingArgs().RemainingRets().Attrs<AttentionAttrs>();
+}
+
 }  // namespace
 }  // namespace dmattn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCpu, dmattn::CpuForward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<dmattn::AttentionAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCpu, dmattn::CpuForward, dmattn::AttentionBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCpu, dmattn::CpuBackward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<dmattn::AttentionAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCpu, dmattn::CpuBackward, dmattn::AttentionBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnSumListedKeysCpu, dmattn::CpuSumListedKeys,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
+                              dmattn::OnThreadPool()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()

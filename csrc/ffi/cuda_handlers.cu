@@ -95,47 +95,41 @@ ffi::Error CudaSumListedKeys(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyB
   return CudaStatus(cuda::SumListedKeys(shape, ptrs, stream), "sum_listed_keys");
 }
 
+// Every CUDA handler runs on XLA's stream; the attention ones decode their operands themselves.
+auto OnStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+auto AttentionBinding() {
+  return OnStream().RemainingArgs().RemainingRets().Attrs<AttentionAttrs>();
+}
+constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
+
 }  // namespace
 }  // namespace dmattn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCuda, dmattn::CudaForward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<dmattn::AttentionAttrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCuda, dmattn::CudaForward, dmattn::AttentionBinding(),
+                              {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attrs<dmattn::AttentionAttrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              dmattn::AttentionBinding(), {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnTopkLeaveCuda, dmattn::CudaTopkLeave,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              dmattn::OnStream()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int64_t>("window"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnRangeMaskCuda, dmattn::CudaRangeMask,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              dmattn::OnStream()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
                                   .Attr<int64_t>("block"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnSumListedKeysCuda, dmattn::CudaSumListedKeys,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              dmattn::OnStream()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {dmattn::kCmdBuffer});
