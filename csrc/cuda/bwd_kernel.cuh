@@ -15,6 +15,9 @@
 //   bwd_dq_convert:  dq = scale * accumulator in the output dtype
 //   dbias_convert:   dbias = fp32 workspace in the output dtype (atomic dbias mode only)
 //
+// On sm_90a the GEMMs run on wgmma when every phase's warps stand in warpgroups of four 16-row
+// slices (kWgmma); the accumulators have the mma.sync layout either way.
+//
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
 // stored once; shapes whose entries are shared between CTAs -> fp32 atomics into a workspace.
@@ -25,6 +28,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
 
@@ -37,8 +41,9 @@ constexpr int kSmemLimitSm80 = 163 * 1024;
 //   phase C  (dQ:        queries x D)     WMC warps along queries x NW / WMC along D
 // kStages: Q / dO / lse / D / bias buffers (2: the next query block loads during the current
 // one; 1: it loads during phase C). With one stage, the bias tile shares memory with P when the
-// tile would otherwise not fit sm_80's 163 KB.
-template <int D_, int BN_, int BM_, int NW_, int WKA_, int WKB_, int WMC_, int kStages_>
+// tile would otherwise not fit sm_80's 163 KB. kAllowWgmma = false keeps mma.sync on sm_90a.
+template <int D_, int BN_, int BM_, int NW_, int WKA_, int WKB_, int WMC_, int kStages_,
+          bool kAllowWgmma = true>
 struct BwdTraits {
   static constexpr int D = D_, BN = BN_, BM = BM_, NW = NW_;
   static constexpr int kNT = NW * 32;
@@ -66,6 +71,18 @@ struct BwdTraits {
   static constexpr int CH = DC <= 64 ? DC : (DC % 64 == 0 ? 64 : DC / 2);
   static_assert(QC % 16 == 0 && DC * (NW / WMC) == D && DC % CH == 0 && CH % 16 == 0,
                 "phase C warp tile");
+  // wgmma: in every phase a warpgroup (4 consecutive warps) stacks four 16-row warp tiles along
+  // M (keys in A and B, queries in C), and its N (QA, DB, CH) is a wgmma width.
+  static constexpr bool kWgmmaShape = NW == 8 && KA == 16 && WKA % 4 == 0 && KB == 16 &&
+                                      WKB % 4 == 0 && QC == 16 && WMC == 4 && CH == DC &&
+                                      D % 64 == 0 && BM == 64 && DB % 64 == 0 &&
+                                      (QA == 32 || QA == 64) && (DB == 64 || DB == 128) &&
+                                      (CH == 64 || CH == 128);
+#if defined(DMATTN_WGMMA)
+  static constexpr bool kWgmma = kAllowWgmma && kWgmmaShape;
+#else
+  static constexpr bool kWgmma = false;
+#endif
 
   static constexpr int kBiasPitch = BN + 8;   // elements
   static constexpr int kMaskPitch = BN + 16;  // bytes
@@ -92,10 +109,18 @@ struct BwdTraits {
   static constexpr int kOffDsum = kOffLse + kStages * BM * 4;
   static constexpr int kOffDB = kOffDsum + kStages * BM * 4;
   static constexpr int kOffPair = kOffDB + BN * 4;  // detail::BwdPair
-  static constexpr int kSmem = kOffPair + 64;
+  // wgmma tiles stage dQ (fp32) for bulk reductions; the pitch keeps rows 16-byte aligned and
+  // the fragment stores free of bank conflicts. Sized by the shape, so host and device agree.
+  static constexpr int kDqPitch = D + 8;  // floats
+  static constexpr int kOffDq = kOffPair + 64;
+  static constexpr int kSmem = kOffDq + (kWgmmaShape ? BM * kDqPitch * 4 : 0);
   static_assert(kBiasBytes % 16 == 0 && kMaskTile % 16 == 0, "16-byte aligned tiles");
   static_assert((BN * D * 2) % 128 == 0 && kQBytes % 128 == 0 && kPBytes % 128 == 0,
                 "swizzled tiles start on 128-byte boundaries (FragAddr)");
+  static_assert(!kWgmma || ((BN * D * 2) % 1024 == 0 && kQBytes % 1024 == 0 &&
+                            kPBytes % 1024 == 0 && kOffP % 1024 == 0),
+                "wgmma operands start on 1024-byte boundaries");
+  static_assert(kOffDq % 16 == 0 && kSmem <= 227 * 1024, "dQ stage alignment, sm_90 capacity");
   // FragAddr folding: the phase B / C column offsets are multiples of a power of two above the
   // columns each warp walks.
   static constexpr bool kFoldB = (DB & (DB - 1)) == 0;
@@ -159,6 +184,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   float* sLse = reinterpret_cast<float*>(smem + Tr::kOffLse);
   float* sDsum = reinterpret_cast<float*>(smem + Tr::kOffDsum);
   float* sDB = reinterpret_cast<float*>(smem + Tr::kOffDB);
+  float* sDq = reinterpret_cast<float*>(smem + Tr::kOffDq);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -318,6 +344,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     while (m <= m_last) {
       const int m0 = m * BM;
       cp_async_wait<0>();
+      if constexpr (Tr::kWgmma) fence_async_shared();
       __syncthreads();  // block m's tiles (and K, V) visible; the other stage, P, dS free
 
       // ---------------- prefetch: the next active block's mask (and, two stages, its tiles) ----
@@ -353,26 +380,47 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             st[mt][t][e] = bv;
             if constexpr (Tr::kFusedA) dp[mt][t][e] = 0.f;
           }
+      if constexpr (Tr::kWgmma) {
+        // S^T and dP^T in flight together: keys ka0 of the warpgroup's first warp.
+        const uint32_t k_row = static_cast<uint32_t>((ka0 - (warp % 4) * 16) * 128);
+        const uint32_t q_row = static_cast<uint32_t>(qa0 * 128) + so;
+        float(&acc_s)[Tr::QA / 2] = reinterpret_cast<float(&)[Tr::QA / 2]>(st);
+        float(&acc_p)[Tr::QA / 2] = reinterpret_cast<float(&)[Tr::QA / 2]>(dp);
+        auto k_step = [](int ks) { return kmajor_step(ks, BN); };
+        auto q_step = [](int ks) { return kmajor_step(ks, BM); };
+        fence_operands(acc_s);
+        fence_operands(acc_p);
+        wgmma_fence();
+        wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0, 1024),
+                                  gmma_desc(smem_u32(sQ) + q_row, 0, 1024), k_step, q_step, T());
+        wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0, 1024),
+                                  gmma_desc(smem_u32(sdO) + q_row, 0, 1024), k_step, q_step, T());
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_s);
+        fence_operands(acc_p);
+      } else {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        uint32_t ak[MA][4], av[MA][4];
-#pragma unroll
-        for (int mt = 0; mt < MA; ++mt) {
-          ldsm_x4(ak[mt], fkA(mt * 16, ks * 16));
-          if constexpr (Tr::kFusedA) ldsm_x4(av[mt], fvA(mt * 16, ks * 16));
-        }
-#pragma unroll
-        for (int np = 0; np < NA / 2; ++np) {
-          uint32_t bq[4], bo[4];
-          ldsm_x4(bq, fqA(np * 16, ks * 16) + so);
-          if constexpr (Tr::kFusedA) ldsm_x4(bo, foA(np * 16, ks * 16) + so);
+        for (int ks = 0; ks < D / 16; ++ks) {
+          uint32_t ak[MA][4], av[MA][4];
 #pragma unroll
           for (int mt = 0; mt < MA; ++mt) {
-            E::mma(st[mt][2 * np], ak[mt], bq[0], bq[1]);
-            E::mma(st[mt][2 * np + 1], ak[mt], bq[2], bq[3]);
-            if constexpr (Tr::kFusedA) {
-              E::mma(dp[mt][2 * np], av[mt], bo[0], bo[1]);
-              E::mma(dp[mt][2 * np + 1], av[mt], bo[2], bo[3]);
+            ldsm_x4(ak[mt], fkA(mt * 16, ks * 16));
+            if constexpr (Tr::kFusedA) ldsm_x4(av[mt], fvA(mt * 16, ks * 16));
+          }
+#pragma unroll
+          for (int np = 0; np < NA / 2; ++np) {
+            uint32_t bq[4], bo[4];
+            ldsm_x4(bq, fqA(np * 16, ks * 16) + so);
+            if constexpr (Tr::kFusedA) ldsm_x4(bo, foA(np * 16, ks * 16) + so);
+#pragma unroll
+            for (int mt = 0; mt < MA; ++mt) {
+              E::mma(st[mt][2 * np], ak[mt], bq[0], bq[1]);
+              E::mma(st[mt][2 * np + 1], ak[mt], bq[2], bq[3]);
+              if constexpr (Tr::kFusedA) {
+                E::mma(dp[mt][2 * np], av[mt], bo[0], bo[1]);
+                E::mma(dp[mt][2 * np + 1], av[mt], bo[2], bo[3]);
+              }
             }
           }
         }
@@ -536,28 +584,52 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
+      if constexpr (Tr::kWgmma) fence_async_shared();
       __syncthreads();  // P, dS visible
 
       // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q ------------------------------------
+      if constexpr (Tr::kWgmma) {
+        // keys kb0 of the warpgroup's first warp; dO and Q are MN-major (queries down the rows).
+        const uint32_t k_row = static_cast<uint32_t>((kb0 - (warp % 4) * 16) * 128);
+        const uint32_t d_col = static_cast<uint32_t>((db0 / 64) * BM * 128) + so;
+        float(&acc_v)[DB / 2] = reinterpret_cast<float(&)[DB / 2]>(dv);
+        float(&acc_k)[DB / 2] = reinterpret_cast<float(&)[DB / 2]>(dk);
+        auto p_step = [](int ks) { return kmajor_step(ks, BN); };
+        auto q_step = [](int ks) { return mnmajor_step(ks); };
+        fence_operands(acc_v);
+        fence_operands(acc_k);
+        wgmma_fence();
+        wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0, 1024),
+                                   gmma_desc(smem_u32(sdO) + d_col, BM * 128, 1024), p_step,
+                                   q_step, T());
+        wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0, 1024),
+                                   gmma_desc(smem_u32(sQ) + d_col, BM * 128, 1024), p_step,
+                                   q_step, T());
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_v);
+        fence_operands(acc_k);
+      } else {
 #pragma unroll
-      for (int ks = 0; ks < BM / 16; ++ks) {
-        uint32_t ap[MB][4], ad[MB][4];
-#pragma unroll
-        for (int mt = 0; mt < MB; ++mt) {
-          ldsm_x4(ap[mt], fpB(mt * 16, ks * 16));
-          ldsm_x4(ad[mt], fdsB(mt * 16, ks * 16));
-        }
-#pragma unroll
-        for (int dq = 0; dq < DB / 16; ++dq) {
-          uint32_t bo[4], bq[4];
-          ldsm_x4_t(bo, foB(ks * 16, dq * 16) + so);
-          ldsm_x4_t(bq, fqB(ks * 16, dq * 16) + so);
+        for (int ks = 0; ks < BM / 16; ++ks) {
+          uint32_t ap[MB][4], ad[MB][4];
 #pragma unroll
           for (int mt = 0; mt < MB; ++mt) {
-            E::mma(dv[mt][2 * dq], ap[mt], bo[0], bo[1]);
-            E::mma(dv[mt][2 * dq + 1], ap[mt], bo[2], bo[3]);
-            E::mma(dk[mt][2 * dq], ad[mt], bq[0], bq[1]);
-            E::mma(dk[mt][2 * dq + 1], ad[mt], bq[2], bq[3]);
+            ldsm_x4(ap[mt], fpB(mt * 16, ks * 16));
+            ldsm_x4(ad[mt], fdsB(mt * 16, ks * 16));
+          }
+#pragma unroll
+          for (int dq = 0; dq < DB / 16; ++dq) {
+            uint32_t bo[4], bq[4];
+            ldsm_x4_t(bo, foB(ks * 16, dq * 16) + so);
+            ldsm_x4_t(bq, fqB(ks * 16, dq * 16) + so);
+#pragma unroll
+            for (int mt = 0; mt < MB; ++mt) {
+              E::mma(dv[mt][2 * dq], ap[mt], bo[0], bo[1]);
+              E::mma(dv[mt][2 * dq + 1], ap[mt], bo[2], bo[3]);
+              E::mma(dk[mt][2 * dq], ad[mt], bq[0], bq[1]);
+              E::mma(dk[mt][2 * dq + 1], ad[mt], bq[2], bq[3]);
+            }
           }
         }
       }
@@ -567,7 +639,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         if (next <= m_last) load_step(next, 0);
       }
 
-      // ---------------- GEMM: dQ += dS K, fp32 atomics ----------------------------------------
+      // ---------------- GEMM: dQ += dS K, fp32 atomics (sm_90a: bulk reductions) -------------
       if (p.compute_dq) {
         float* dqg = pp.dq;
 #pragma unroll
@@ -579,54 +651,88 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             for (int t = 0; t < CH / 8; ++t)
 #pragma unroll
               for (int e = 0; e < 4; ++e) acc[mt][t][e] = 0.f;
+          if constexpr (Tr::kWgmma) {
+            // dS (keys down the rows) and K are both MN-major here.
+            float(&acc_q)[CH / 2] = reinterpret_cast<float(&)[CH / 2]>(acc);
+            auto step = [](int ks) { return mnmajor_step(ks); };
+            fence_operands(acc_q);
+            wgmma_fence();
+            wgmma_issue<1, 1, BN / 16>(
+                acc_q, gmma_desc(smem_u32(sdS), BN * 128, 1024),
+                gmma_desc(smem_u32(sK) + ((dc0 + ch * CH) / 64) * BN * 128, BN * 128, 1024), step,
+                step, T());
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(acc_q);
+
+            // This warp's 16 rows go through the dQ stage, then one bulk reduction per row.
+            float* rows = sDq + qc0 * Tr::kDqPitch + dc0 + ch * CH;
+            if (lane < 16) bulk_wait_read();  // the previous block's rows were read
+            __syncwarp();
 #pragma unroll
-          for (int ks = 0; ks < BN / 16; ++ks) {
-            uint32_t a[MC][4];
+            for (int t = 0; t < CH / 8; ++t)
 #pragma unroll
-            for (int mt = 0; mt < MC; ++mt) ldsm_x4_t(a[mt], fdsC(ks * 16, mt * 16));
-#pragma unroll
-            for (int dq = 0; dq < CH / 16; ++dq) {
-              uint32_t bk[4];
-              ldsm_x4_t(bk, fkC(ks * 16, ch * CH + dq * 16));
-#pragma unroll
-              for (int mt = 0; mt < MC; ++mt) {
-                E::mma(acc[mt][2 * dq], a[mt], bk[0], bk[1]);
-                E::mma(acc[mt][2 * dq + 1], a[mt], bk[2], bk[3]);
-              }
+              for (int half = 0; half < 2; ++half)
+                *reinterpret_cast<float2*>(rows + (g + 8 * half) * Tr::kDqPitch + t * 8 + 2 * tq) =
+                    make_float2(acc[0][t][2 * half], acc[0][t][2 * half + 1]);
+            fence_async_shared();
+            __syncwarp();
+            const int i = m0 + qc0 + lane;
+            if (lane < 16 && i < L.q_len) {
+              bulk_reduce_add(dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH,
+                              rows + lane * Tr::kDqPitch, CH * 4);
             }
-          }
+            if (lane < 16) bulk_commit();
+          } else {
 #pragma unroll
-          for (int mt = 0; mt < MC; ++mt) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            // Lanes tq and tq^1 swap halves so that each owns 4 consecutive columns of one row:
-            // the even lane row g, the odd lane row g + 8; one 16-byte vector atomic each.
-            const bool odd = (tq & 1) != 0;
-            const int i = m0 + qc0 + mt * 16 + g + (odd ? 8 : 0);
-            float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 4 * (tq >> 1);
+            for (int ks = 0; ks < BN / 16; ++ks) {
+              uint32_t a[MC][4];
 #pragma unroll
-            for (int t = 0; t < CH / 8; ++t) {
-              const float r0 =
-                  __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][0] : acc[mt][t][2], 1);
-              const float r1 =
-                  __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][1] : acc[mt][t][3], 1);
-              const float4 v = odd ? make_float4(r0, r1, acc[mt][t][2], acc[mt][t][3])
-                                   : make_float4(acc[mt][t][0], acc[mt][t][1], r0, r1);
-              if (i < L.q_len) atomicAdd(reinterpret_cast<float4*>(row + t * 8), v);
-            }
-#else
+              for (int mt = 0; mt < MC; ++mt) ldsm_x4_t(a[mt], fdsC(ks * 16, mt * 16));
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int i = m0 + qc0 + mt * 16 + g + half * 8;
-              if (i < L.q_len) {
-                float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 2 * tq;
+              for (int dq = 0; dq < CH / 16; ++dq) {
+                uint32_t bk[4];
+                ldsm_x4_t(bk, fkC(ks * 16, ch * CH + dq * 16));
 #pragma unroll
-                for (int t = 0; t < CH / 8; ++t) {
-                  atomicAdd(row + t * 8, acc[mt][t][2 * half]);
-                  atomicAdd(row + t * 8 + 1, acc[mt][t][2 * half + 1]);
+                for (int mt = 0; mt < MC; ++mt) {
+                  E::mma(acc[mt][2 * dq], a[mt], bk[0], bk[1]);
+                  E::mma(acc[mt][2 * dq + 1], a[mt], bk[2], bk[3]);
                 }
               }
             }
+#pragma unroll
+            for (int mt = 0; mt < MC; ++mt) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+              // Lanes tq and tq^1 swap halves so that each owns 4 consecutive columns of one row:
+              // the even lane row g, the odd lane row g + 8; one 16-byte vector atomic each.
+              const bool odd = (tq & 1) != 0;
+              const int i = m0 + qc0 + mt * 16 + g + (odd ? 8 : 0);
+              float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 4 * (tq >> 1);
+#pragma unroll
+              for (int t = 0; t < CH / 8; ++t) {
+                const float r0 =
+                    __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][0] : acc[mt][t][2], 1);
+                const float r1 =
+                    __shfl_xor_sync(0xffffffffu, odd ? acc[mt][t][1] : acc[mt][t][3], 1);
+                const float4 v = odd ? make_float4(r0, r1, acc[mt][t][2], acc[mt][t][3])
+                                     : make_float4(acc[mt][t][0], acc[mt][t][1], r0, r1);
+                if (i < L.q_len) atomicAdd(reinterpret_cast<float4*>(row + t * 8), v);
+              }
+#else
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int i = m0 + qc0 + mt * 16 + g + half * 8;
+                if (i < L.q_len) {
+                  float* row = dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH + 2 * tq;
+#pragma unroll
+                  for (int t = 0; t < CH / 8; ++t) {
+                    atomicAdd(row + t * 8, acc[mt][t][2 * half]);
+                    atomicAdd(row + t * 8 + 1, acc[mt][t][2 * half + 1]);
+                  }
+                }
+              }
 #endif
+            }
           }
         }
       }
@@ -678,6 +784,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   }
 
   // ---- epilogue: dK = scale * sum dS^T Q, dV ---------------------------------------------
+  if constexpr (Tr::kWgmma) {
+    if (lane < 16) bulk_wait_read();  // the dQ stage is read before the CTA exits
+  }
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll

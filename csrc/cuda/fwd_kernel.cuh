@@ -10,6 +10,10 @@
 // (all-false blocks cost no loads and no GEMMs), and all-true blocks skip the mask tile and the
 // per-element test. With split-KV each CTA walks one slice of the key blocks and leaves a partial
 // result for fwd_combine.cuh.
+//
+// The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
+// tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
+// way, so masking and softmax do not know which ran.
 #pragma once
 
 #include <cmath>
@@ -17,10 +21,12 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
 
-template <int D_, int BM_, int BN_, int NW_>
+// kAllowWgmma = false keeps mma.sync on sm_90a too (for side-by-side timing).
+template <int D_, int BM_, int BN_, int NW_, bool kAllowWgmma = true>
 struct FwdTraits {
   static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
   static constexpr int kNT = NW * 32;
@@ -30,6 +36,16 @@ struct FwdTraits {
   static constexpr int NTO = D / 8;             // 8-col tiles of O
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns a multiple of 16 query rows");
   static_assert(BN % 16 == 0 && D % 32 == 0, "tile shapes");
+  // wgmma: one warpgroup of 16-row warps; Q, K, V in 128-byte-swizzled panels (D % 64 == 0);
+  // N = BN for S (64 or 128) and D in chunks of 128 or 64 columns for O.
+  static constexpr bool kWgmmaShape =
+      NW == 4 && kRowsPerWarp == 16 && D % 64 == 0 && (BN == 64 || BN == 128);
+#if defined(DMATTN_WGMMA)
+  static constexpr bool kWgmma = kAllowWgmma && kWgmmaShape;
+#else
+  static constexpr bool kWgmma = false;
+#endif
+  static constexpr int kChunkO = D % 128 == 0 ? 128 : 64;
 
   static constexpr int kBiasPitch = BN + 8;   // elements (keeps 16-byte rows, no bank conflicts)
   static constexpr int kMaskPitch = BN + 16;  // bytes
@@ -41,7 +57,113 @@ struct FwdTraits {
   static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
   static constexpr int kMaskTile = BM * kMaskPitch;
   static constexpr int kSmem = kOffMask + kMaskTile;
+  static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "wgmma operands on 1024-byte boundaries");
 };
+
+namespace detail {
+
+// cp.async writes to shared memory are visible to every thread's GEMM after this.
+template <typename Tr>
+__device__ __forceinline__ void operands_visible() {
+  if constexpr (Tr::kWgmma) fence_async_shared();
+  __syncthreads();
+}
+
+// sc (holding bias / scale) += Q K^T for this warp's rows.
+template <typename Tr, typename T>
+__device__ __forceinline__ void scores_gemm(float (&sc)[Tr::MT][Tr::NTS][4], const T* sQ,
+                                            const T* sK, int warp_row0, int lane) {
+  constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, MT = Tr::MT;
+  if constexpr (Tr::kWgmma) {
+    float(&acc)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(sc);
+    const uint64_t dq = gmma_desc(smem_u32(sQ), 0, 1024);
+    const uint64_t dk = gmma_desc(smem_u32(sK), 0, 1024);
+    fence_operands(acc);
+    wgmma_fence();
+    wgmma_issue<0, 0, D / 16>(
+        acc, dq, dk, [](int ks) { return kmajor_step(ks, BM); },
+        [](int ks) { return kmajor_step(ks, BN); }, T());
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(acc);
+  } else {
+    using E = Elem<T>;
+    const FragAddr<BM, D> fq(sQ, warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                             (lane >> 4) * 8);
+    const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], fq(mt * 16, ks * 16));
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bk[4];
+        ldsm_x4(bk, fk(np * 16, ks * 16));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          E::mma(sc[mt][2 * np], a[mt], bk[0], bk[1]);
+          E::mma(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+  }
+}
+
+// o += P V, P = the probabilities in sc, rounded to T.
+template <typename Tr, typename T>
+__device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
+                                            const float (&sc)[Tr::MT][Tr::NTS][4], const T* sV,
+                                            int lane) {
+  using E = Elem<T>;
+  constexpr int D = Tr::D, BN = Tr::BN, MT = Tr::MT;
+  uint32_t a[BN / 16][MT][4];
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[kk][mt][0] = E::pack(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+      a[kk][mt][1] = E::pack(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+      a[kk][mt][2] = E::pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+      a[kk][mt][3] = E::pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+    }
+  if constexpr (Tr::kWgmma) {
+    // V is MN-major here (its rows run along the reduction dim).
+    constexpr int kC = Tr::kChunkO, kChunks = D / kC;
+    float(&acc)[kChunks][kC / 2] = reinterpret_cast<float(&)[kChunks][kC / 2]>(o);
+    const uint64_t dv = gmma_desc(smem_u32(sV), BN * 128, 1024);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) fence_operands(acc[c]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        wgmma_rs<1>(acc[c], a[kk][0], gmma_advance(dv, mnmajor_step(kk) + c * (kC / 64) * BN * 128),
+                    true, T());
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) fence_operands(acc[c]);
+  } else {
+    const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldsm_x4_t(bv, fv(kk * 16, dp * 16));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          E::mma(o[mt][2 * dp], a[kk][mt], bv[0], bv[1]);
+          E::mma(o[mt][2 * dp + 1], a[kk][mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
 
 template <typename Tr, typename T>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -162,15 +284,12 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     row_l[r] = 0.f;
   }
   const int warp_row0 = warp * Tr::kRowsPerWarp;
-  const FragAddr<BM, D> fq(sQ, warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
-  const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
-  const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
 
   // ---- main loop over visible, non-empty key blocks ----------------------------------------
   while (n >= n_lo) {
     const int n0 = n * BN;
     cp_async_wait<0>();
-    __syncthreads();  // K, bias, mask of block n (and Q) visible
+    operands_visible<Tr>();  // K, bias, mask of block n (and Q)
     load_kv(sV, vg, n);
     cp_async_commit();
 
@@ -197,22 +316,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         }
       }
     }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], fq(mt * 16, ks * 16));
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bk[4];
-        ldsm_x4(bk, fk(np * 16, ks * 16));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          E::mma(sc[mt][2 * np], a[mt], bk[0], bk[1]);
-          E::mma(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
+    scores_gemm<Tr>(sc, sQ, sK, warp_row0, lane);
 
     // softcap, then visibility
     if (p.softcap > 0.f) {
@@ -265,7 +369,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     int next_flags;
     const int next = next_block(n - 1, &next_flags);
     cp_async_wait<0>();
-    __syncthreads();  // V(n) visible; K, bias and mask buffers free
+    operands_visible<Tr>();  // V(n); K, bias and mask buffers free
     if (next >= n_lo) load_block(next, next_flags);
 
     // online softmax
@@ -304,27 +408,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
 
     // O += P V
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = E::pack(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
-        a[mt][1] = E::pack(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
-        a[mt][2] = E::pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
-        a[mt][3] = E::pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bv[4];
-        ldsm_x4_t(bv, fv(kk * 16, dp * 16));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          E::mma(o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          E::mma(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    output_gemm<Tr>(o, sc, sV, lane);
 
     flags = next_flags;
     n = next;

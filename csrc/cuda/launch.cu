@@ -138,6 +138,17 @@ int MultiProcessors() {
   return n;
 }
 
+bool HopperKernels() {
+#if defined(DMATTN_SM90A)
+  int dev = 0, major = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         major == 9;
+#else
+  return false;
+#endif
+}
+
 // Key splits of the forward: none while the (query block, head, batch) grid fills 80 % of the
 // SMs' CTA slots (two per SM); otherwise the smallest count whose waves are filled within 85 % of
 // the best count's, among counts that shorten the longest split.

@@ -28,6 +28,10 @@ constexpr FwdTile ForwardTile(int64_t head_dim) {
 // Multiprocessors of the current device (132 when it cannot be queried).
 int MultiProcessors();
 
+// True when the current device is a Hopper GPU and this build holds sm_90a kernels (wgmma):
+// the backward then runs its warpgroup-shaped tiles.
+bool HopperKernels();
+
 // Everything the backward launcher needs beyond the kernel parameter block.
 struct BwdLaunch {
   BwdParams p;

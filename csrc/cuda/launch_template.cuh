@@ -22,39 +22,61 @@ struct FwdConfig {
 };
 
 // Backward tiles: BwdTraits<D, key block BN, query block BM, warps, warp grids of phases A / B /
-// C, Q/dO stages> (see bwd_kernel.cuh); every tile fits sm_80's 163 KB of shared memory.
-// `Narrow` (key block 64) replaces `Traits` when the grid of the wide tile would leave SMs idle
-// (few kv heads x batches, e.g. GQA with one kv head): one CTA per (key block, kv head) walks
-// all the query heads of its group. Deterministic dq kernel: query block x key block, 4 warps
-// of 16 query rows.
+// C, Q/dO stages> (see bwd_kernel.cuh). `Narrow` (key block 64) replaces `Traits` when
+// UseNarrow says so, e.g. for grids of the wide tile that would leave SMs idle (few kv heads x
+// batches, GQA with one kv head: one CTA per (key block, kv head) walks all the query heads of
+// its group). Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTiles {
   using Traits = Main;
   using Narrow = NarrowTile;
-  static_assert(Main::kSmem <= kSmemLimitSm80 && Narrow::kSmem <= kSmemLimitSm80,
-                "backward tiles must fit sm_80");
   using DqTraits = DqTraits<D, 64, 64, 4>;
 };
-template <int D>
-struct BwdConfig;
-template <>
-struct BwdConfig<32> : BwdTiles<32, BwdTraits<32, 128, 64, 8, 4, 4, 4, 2>> {};
-template <>
-struct BwdConfig<64> : BwdTiles<64, BwdTraits<64, 128, 64, 8, 4, 4, 4, 2>> {};
-template <>
-struct BwdConfig<96> : BwdTiles<96, BwdTraits<96, 64, 64, 8, 4, 4, 4, 2>> {};
-template <>
-struct BwdConfig<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>,
-                                 BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>> {};
-template <>
-struct BwdConfig<192> : BwdTiles<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
-template <>
-struct BwdConfig<256> : BwdTiles<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
 
 // CTAs of the backward grid for key block BN (one per key block, kv head and dk/dv class).
 inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
   return (l.p.s.seqlen_k + bn - 1) / bn * l.p.s.num_kv_heads * l.p.kv_classes;
 }
+
+// sm_80 tiles (mma.sync; also what a Hopper GPU runs without sm_90a kernels). Every tile fits
+// sm_80's 163 KB of shared memory.
+template <int D, typename Main, typename NarrowTile = Main>
+struct BwdTilesSm80 : BwdTiles<D, Main, NarrowTile> {
+  static_assert(Main::kSmem <= kSmemLimitSm80 && NarrowTile::kSmem <= kSmemLimitSm80,
+                "backward tiles must fit sm_80");
+  static bool UseNarrow(const BwdLaunch& l) {
+    return BackwardCtas(l, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors());
+  }
+};
+template <int D>
+struct BwdConfig;
+template <>
+struct BwdConfig<32> : BwdTilesSm80<32, BwdTraits<32, 128, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<64> : BwdTilesSm80<64, BwdTraits<64, 128, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<96> : BwdTilesSm80<96, BwdTraits<96, 64, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfig<128> : BwdTilesSm80<128, BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>,
+                                     BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>> {};
+template <>
+struct BwdConfig<192> : BwdTilesSm80<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
+template <>
+struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
+
+// sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them. The 64-key tile
+// with two stages wins on small grids and whenever a per-query bias tile streams with Q and dO
+// (H200, tests/cuda/tune_bwd128.cu: bias + mask [B,H,L,L] 7.03 vs 7.84 ms; dense 7.52 vs 8.12).
+template <int D>
+struct BwdConfigSm90 : BwdConfig<D> {};
+template <>
+struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
+                                     BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {
+  static bool UseNarrow(const BwdLaunch& l) {
+    const bool bias_rows = l.p.bias != nullptr && l.p.s.bias.row_stride != 0;
+    return bias_rows || BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
+  }
+};
 
 template <typename Kernel>
 inline cudaError_t PrepareSmem(Kernel kernel, int bytes) {
@@ -205,20 +227,25 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+template <typename Cfg, typename T>
+cudaError_t RunBackwardConfig(const BwdLaunch& launch, cudaStream_t stream) {
+  using Main = typename Cfg::Traits;
+  using Narrow = typename Cfg::Narrow;
+  if constexpr (!std::is_same_v<Main, Narrow>) {
+    if (Cfg::UseNarrow(launch)) {
+      return RunBackwardTiles<Narrow, typename Cfg::DqTraits, T>(launch, stream);
+    }
+  }
+  return RunBackwardTiles<Main, typename Cfg::DqTraits, T>(launch, stream);
+}
+
 template <int D, typename T>
 cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunBackwardVariant<D, T>(v, launch, stream);
 #endif
-  using Cfg = BwdConfig<D>;
-  using Main = typename Cfg::Traits;
-  using Narrow = typename Cfg::Narrow;
-  if constexpr (!std::is_same_v<Main, Narrow>) {
-    if (BackwardCtas(launch, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors())) {
-      return RunBackwardTiles<Narrow, typename Cfg::DqTraits, T>(launch, stream);
-    }
-  }
-  return RunBackwardTiles<Main, typename Cfg::DqTraits, T>(launch, stream);
+  if (HopperKernels()) return RunBackwardConfig<BwdConfigSm90<D>, T>(launch, stream);
+  return RunBackwardConfig<BwdConfig<D>, T>(launch, stream);
 }
 
 }  // namespace dmattn::cuda

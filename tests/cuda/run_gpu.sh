@@ -4,12 +4,12 @@
 # build/gpu_logs); a summary is printed last. Sections are gated on elapsed time so that the
 # whole run fits ~230 s. When $OUT is set (the device tool's return folder), at most 8 files are
 # copied there after each section.
-#   ARCH=90 DIMS="64 128" DTYPES="bf16" TUNE=1 tests/cuda/run_gpu.sh
+#   ARCH=90a DIMS="64 128" DTYPES="bf16" TUNE=1 tests/cuda/run_gpu.sh
 # TUNE=1 also builds tests/cuda/tune_*.cu (alternative tiles, DMATTN_CUDA_VARIANT) and checks
 # and times them next to the library's tiles (kernel_check --variants).
 set -u
 LOG=${LOG:-build/gpu_logs}
-ARCH=${ARCH:-90}
+ARCH=${ARCH:-90a}
 DIMS=${DIMS:-"32 64 96 128 192 256"}
 DTYPES=${DTYPES:-"bf16 fp16"}
 TUNE=${TUNE:-0}
@@ -39,6 +39,7 @@ for d in $DIMS; do
   done
 done
 for t in $DTYPES; do DEFS="$DEFS -DDMATTN_ENABLE_$(echo "$t" | tr a-z A-Z)=1"; done
+[ "$ARCH" = 90a ] && DEFS="$DEFS -DDMATTN_SM90A=1"
 export FLAGS="-std=c++17 --expt-relaxed-constexpr --use_fast_math -O3 -lineinfo -gencode arch=compute_$ARCH,code=sm_$ARCH -I csrc $DEFS"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$LOG/gpu.txt" 2>&1
 

@@ -1,9 +1,8 @@
 // Backward variants at head dim 128 for tests/cuda/run_gpu.sh TUNE=1 (DMATTN_CUDA_VARIANT=<n>;
-// see launch_template.cuh): 1 / 2 = the wide / narrow tile whatever the grid size; 3 = the narrow
-// tile with one Q/dO stage; 4 = the narrow tile with phase A's warps 4 along keys x 2 along
-// queries (the library's narrow tile until the H200 run of benchmarks/results/bwd_tiles_h200.md:
-// 2 x 4 was 4-7 % faster on every benchmark the narrow tile runs); 5-7 = wide-tile warp grids.
-// Not part of the library.
+// see launch_template.cuh): 1 / 2 = the sm_80 wide / narrow tile whatever the grid size;
+// 3-5 = wgmma-shaped tiles (warpgroups of four 16-key warps): wide with one Q/dO stage, narrow
+// with two / one; 6 = variant 3 on mma.sync. Earlier warp-grid experiments:
+// benchmarks/results/bwd_tiles_h200.md. Not part of the library.
 #include "cuda/launch_template.cuh"
 
 namespace dmattn::cuda {
@@ -17,11 +16,11 @@ cudaError_t RunBackwardVariant<128, BF16>(int v, const BwdLaunch& l, cudaStream_
   switch (v) {
     case 1: return RunBackwardTiles<Cfg::Traits, Dq, BF16>(l, st);
     case 2: return RunBackwardTiles<Cfg::Narrow, Dq, BF16>(l, st);
-    case 3: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 2, 4, 4, 1>, Dq, BF16>(l, st);
+    case 3: return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>, Dq, BF16>(l, st);
     case 4: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>, Dq, BF16>(l, st);
-    case 5: return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 8, 4, 2, 1>, Dq, BF16>(l, st);
-    case 6: return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 2, 4, 2, 1>, Dq, BF16>(l, st);
-    case 7: return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 4, 4, 4, 1>, Dq, BF16>(l, st);
+    case 5: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 4, 4, 4, 1>, Dq, BF16>(l, st);
+    case 6:
+      return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 8, 8, 4, 1, false>, Dq, BF16>(l, st);
     default: return cudaErrorNotSupported;
   }
 }
