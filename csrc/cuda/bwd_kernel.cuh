@@ -388,17 +388,16 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         float(&acc_p)[Tr::QA / 2] = reinterpret_cast<float(&)[Tr::QA / 2]>(dp);
         auto k_step = [](int ks) { return kmajor_step(ks, BN); };
         auto q_step = [](int ks) { return kmajor_step(ks, BM); };
-        fence_operands(acc_s);
-        fence_operands(acc_p);
-        wgmma_fence();
-        wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0, 1024),
-                                  gmma_desc(smem_u32(sQ) + q_row, 0, 1024), k_step, q_step, T());
-        wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0, 1024),
-                                  gmma_desc(smem_u32(sdO) + q_row, 0, 1024), k_step, q_step, T());
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc_s);
-        fence_operands(acc_p);
+        wgmma_group(
+            [&] {
+              wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0, 1024),
+                                        gmma_desc(smem_u32(sQ) + q_row, 0, 1024), k_step, q_step,
+                                        T());
+              wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0, 1024),
+                                        gmma_desc(smem_u32(sdO) + q_row, 0, 1024), k_step, q_step,
+                                        T());
+            },
+            acc_s, acc_p);
       } else {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -596,19 +595,16 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         float(&acc_k)[DB / 2] = reinterpret_cast<float(&)[DB / 2]>(dk);
         auto p_step = [](int ks) { return kmajor_step(ks, BN); };
         auto q_step = [](int ks) { return mnmajor_step(ks); };
-        fence_operands(acc_v);
-        fence_operands(acc_k);
-        wgmma_fence();
-        wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0, 1024),
-                                   gmma_desc(smem_u32(sdO) + d_col, BM * 128, 1024), p_step,
-                                   q_step, T());
-        wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0, 1024),
-                                   gmma_desc(smem_u32(sQ) + d_col, BM * 128, 1024), p_step,
-                                   q_step, T());
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc_v);
-        fence_operands(acc_k);
+        wgmma_group(
+            [&] {
+              wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0, 1024),
+                                         gmma_desc(smem_u32(sdO) + d_col, BM * 128, 1024),
+                                         p_step, q_step, T());
+              wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0, 1024),
+                                         gmma_desc(smem_u32(sQ) + d_col, BM * 128, 1024), p_step,
+                                         q_step, T());
+            },
+            acc_v, acc_k);
       } else {
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks) {
@@ -655,15 +651,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             // dS (keys down the rows) and K are both MN-major here.
             float(&acc_q)[CH / 2] = reinterpret_cast<float(&)[CH / 2]>(acc);
             auto step = [](int ks) { return mnmajor_step(ks); };
-            fence_operands(acc_q);
-            wgmma_fence();
-            wgmma_issue<1, 1, BN / 16>(
-                acc_q, gmma_desc(smem_u32(sdS), BN * 128, 1024),
-                gmma_desc(smem_u32(sK) + ((dc0 + ch * CH) / 64) * BN * 128, BN * 128, 1024), step,
-                step, T());
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_operands(acc_q);
+            const uint32_t k_col = ((dc0 + ch * CH) / 64) * BN * 128;
+            wgmma_group(
+                [&] {
+                  wgmma_issue<1, 1, BN / 16>(acc_q, gmma_desc(smem_u32(sdS), BN * 128, 1024),
+                                             gmma_desc(smem_u32(sK) + k_col, BN * 128, 1024),
+                                             step, step, T());
+                },
+                acc_q);
 
             // This warp's 16 rows go through the dQ stage, then one bulk reduction per row.
             float* rows = sDq + qc0 * Tr::kDqPitch + dc0 + ch * CH;

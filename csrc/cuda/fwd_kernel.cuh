@@ -78,14 +78,13 @@ __device__ __forceinline__ void scores_gemm(float (&sc)[Tr::MT][Tr::NTS][4], con
     float(&acc)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(sc);
     const uint64_t dq = gmma_desc(smem_u32(sQ), 0, 1024);
     const uint64_t dk = gmma_desc(smem_u32(sK), 0, 1024);
-    fence_operands(acc);
-    wgmma_fence();
-    wgmma_issue<0, 0, D / 16>(
-        acc, dq, dk, [](int ks) { return kmajor_step(ks, BM); },
-        [](int ks) { return kmajor_step(ks, BN); }, T());
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(acc);
+    wgmma_group(
+        [&] {
+          wgmma_issue<0, 0, D / 16>(
+              acc, dq, dk, [](int ks) { return kmajor_step(ks, BM); },
+              [](int ks) { return kmajor_step(ks, BN); }, T());
+        },
+        acc);
   } else {
     using E = Elem<T>;
     const FragAddr<BM, D> fq(sQ, warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8,
@@ -132,19 +131,17 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
     constexpr int kC = Tr::kChunkO, kChunks = D / kC;
     float(&acc)[kChunks][kC / 2] = reinterpret_cast<float(&)[kChunks][kC / 2]>(o);
     const uint64_t dv = gmma_desc(smem_u32(sV), BN * 128, 1024);
+    wgmma_group(
+        [&] {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) fence_operands(acc[c]);
-    wgmma_fence();
+          for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        wgmma_rs<1>(acc[c], a[kk][0], gmma_advance(dv, mnmajor_step(kk) + c * (kC / 64) * BN * 128),
-                    true, T());
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) fence_operands(acc[c]);
+            for (int c = 0; c < kChunks; ++c)
+              wgmma_rs<1>(acc[c], a[kk][0],
+                          gmma_advance(dv, mnmajor_step(kk) + c * (kC / 64) * BN * 128), true,
+                          T());
+        },
+        reinterpret_cast<float(&)[D / 2]>(o));
   } else {
     const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
 #pragma unroll

@@ -169,8 +169,20 @@ __device__ __forceinline__ constexpr uint32_t mnmajor_step(int ks) {
   return static_cast<uint32_t>(ks * 2048);
 }
 
+// Runs the wgmmas that `issue` issues as one group and waits for them, the accumulators pinned
+// on both sides.
+template <typename Issue, int... R>
+__device__ __forceinline__ void wgmma_group(Issue issue, float (&... acc)[R]) {
+  (fence_operands(acc), ...);
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  wgmma_wait<0>();
+  (fence_operands(acc), ...);
+}
+
 // acc += A B over kSteps k-steps of 16, operands in shared memory: the wgmmas are issued, not
-// waited for (the caller fences, commits and waits, so several GEMMs can be in flight).
+// waited for (inside wgmma_group, so several GEMMs can be in flight).
 // a_step(ks) / b_step(ks): the byte offset of k-step ks from the descriptors a / b.
 template <int kTA, int kTB, int kSteps, int R, typename T, typename AStep, typename BStep>
 __device__ __forceinline__ void wgmma_issue(float (&acc)[R], uint64_t a, uint64_t b,
