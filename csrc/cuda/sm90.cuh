@@ -94,21 +94,21 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
 // 16-bit types only). The element type is a tag argument. Operands after the R accumulators:
 // SS  %R a, %R+1 b, %R+2 accumulate, %R+3 kTA, %R+4 kTB;
 // RS  %R..%R+3 a, %R+4 b, %R+5 accumulate, %R+6 kTB.
-#define DMATTN_WGMMA_N(N, R, REGS, OPS, TY, CT, SS_TAIL, RS_TAIL)                               \
+#define DMATTN_WGMMA_N(R, OPS, CT, SS_TAIL, RS_TAIL)                                         \
   template <int kTA, int kTB>                                                                 \
   __device__ __forceinline__ void wgmma_ss(float (&d)[R], uint64_t a, uint64_t b,             \
                                            bool accumulate, CT) {                             \
-    DMATTN_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_TAIL ";\n}\n"                     \
-                 : OPS(d)                                                                      \
-                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kTA), "n"(kTB));     \
+    DMATTN_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_TAIL ";\n}\n"                  \
+                     : OPS(d)                                                                 \
+                     : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kTA), "n"(kTB)); \
   }                                                                                           \
   template <int kTB>                                                                          \
   __device__ __forceinline__ void wgmma_rs(float (&d)[R], const uint32_t (&a)[4], uint64_t b, \
                                            bool accumulate, CT) {                             \
-    DMATTN_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_TAIL ";\n}\n"                     \
-                 : OPS(d)                                                                      \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b),                         \
-                   "r"(static_cast<int>(accumulate)), "n"(kTB));                               \
+    DMATTN_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_TAIL ";\n}\n"                  \
+                     : OPS(d)                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b),                    \
+                       "r"(static_cast<int>(accumulate)), "n"(kTB));                          \
   }
 #define DMATTN_SS_TAIL(N, TY, REGS, R, R1, R2, R3, R4)                                       \
   #R2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #R \
@@ -117,13 +117,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
   #R5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", {%" #R \
       ", %" #R1 ", %" #R2 ", %" #R3 "}, %" #R4 ", p, 1, 1, %" #R6
 #define DMATTN_WGMMA_TYPE(TY, CT)                                                              \
-  DMATTN_WGMMA_N(32, 16, DMATTN_R16, DMATTN_F16_, TY, CT,                                     \
+  DMATTN_WGMMA_N(16, DMATTN_F16_, CT,                                                         \
                  DMATTN_SS_TAIL(32, TY, DMATTN_R16, 16, 17, 18, 19, 20),                      \
                  DMATTN_RS_TAIL(32, TY, DMATTN_R16, 16, 17, 18, 19, 20, 21, 22))              \
-  DMATTN_WGMMA_N(64, 32, DMATTN_R32, DMATTN_F32, TY, CT,                                      \
+  DMATTN_WGMMA_N(32, DMATTN_F32, CT,                                                          \
                  DMATTN_SS_TAIL(64, TY, DMATTN_R32, 32, 33, 34, 35, 36),                      \
                  DMATTN_RS_TAIL(64, TY, DMATTN_R32, 32, 33, 34, 35, 36, 37, 38))              \
-  DMATTN_WGMMA_N(128, 64, DMATTN_R64, DMATTN_F64, TY, CT,                                     \
+  DMATTN_WGMMA_N(64, DMATTN_F64, CT,                                                          \
                  DMATTN_SS_TAIL(128, TY, DMATTN_R64, 64, 65, 66, 67, 68),                     \
                  DMATTN_RS_TAIL(128, TY, DMATTN_R64, 64, 65, 66, 67, 68, 69, 70))
 DMATTN_WGMMA_TYPE("bf16", __nv_bfloat16)
