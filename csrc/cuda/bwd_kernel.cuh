@@ -75,7 +75,7 @@ struct BwdTraits {
   // M (keys in A and B, queries in C), and its N (QA, DB, CH) is a wgmma width.
   static constexpr bool kWgmmaShape = NW == 8 && KA == 16 && WKA % 4 == 0 && KB == 16 &&
                                       WKB % 4 == 0 && QC == 16 && WMC == 4 && CH == DC &&
-                                      D % 64 == 0 && BM == 64 && DB % 64 == 0 &&
+                                      D % 64 == 0 && BM == 64 &&
                                       (QA == 32 || QA == 64) && (DB == 64 || DB == 128) &&
                                       (CH == 64 || CH == 128);
 #if defined(DMATTN_WGMMA)
@@ -390,11 +390,11 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         auto q_step = [](int ks) { return kmajor_step(ks, BM); };
         wgmma_group(
             [&] {
-              wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0, 1024),
-                                        gmma_desc(smem_u32(sQ) + q_row, 0, 1024), k_step, q_step,
+              wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0),
+                                        gmma_desc(smem_u32(sQ) + q_row, 0), k_step, q_step,
                                         T());
-              wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0, 1024),
-                                        gmma_desc(smem_u32(sdO) + q_row, 0, 1024), k_step, q_step,
+              wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0),
+                                        gmma_desc(smem_u32(sdO) + q_row, 0), k_step, q_step,
                                         T());
             },
             acc_s, acc_p);
@@ -597,11 +597,11 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         auto q_step = [](int ks) { return mnmajor_step(ks); };
         wgmma_group(
             [&] {
-              wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0, 1024),
-                                         gmma_desc(smem_u32(sdO) + d_col, BM * 128, 1024),
+              wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0),
+                                         gmma_desc(smem_u32(sdO) + d_col, BM * 128),
                                          p_step, q_step, T());
-              wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0, 1024),
-                                         gmma_desc(smem_u32(sQ) + d_col, BM * 128, 1024), p_step,
+              wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0),
+                                         gmma_desc(smem_u32(sQ) + d_col, BM * 128), p_step,
                                          q_step, T());
             },
             acc_v, acc_k);
@@ -654,8 +654,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             const uint32_t k_col = ((dc0 + ch * CH) / 64) * BN * 128;
             wgmma_group(
                 [&] {
-                  wgmma_issue<1, 1, BN / 16>(acc_q, gmma_desc(smem_u32(sdS), BN * 128, 1024),
-                                             gmma_desc(smem_u32(sK) + k_col, BN * 128, 1024),
+                  wgmma_issue<1, 1, BN / 16>(acc_q, gmma_desc(smem_u32(sdS), BN * 128),
+                                             gmma_desc(smem_u32(sK) + k_col, BN * 128),
                                              step, step, T());
                 },
                 acc_q);

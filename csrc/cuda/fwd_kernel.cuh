@@ -76,8 +76,8 @@ __device__ __forceinline__ void scores_gemm(float (&sc)[Tr::MT][Tr::NTS][4], con
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, MT = Tr::MT;
   if constexpr (Tr::kWgmma) {
     float(&acc)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(sc);
-    const uint64_t dq = gmma_desc(smem_u32(sQ), 0, 1024);
-    const uint64_t dk = gmma_desc(smem_u32(sK), 0, 1024);
+    const uint64_t dq = gmma_desc(smem_u32(sQ), 0);
+    const uint64_t dk = gmma_desc(smem_u32(sK), 0);
     wgmma_group(
         [&] {
           wgmma_issue<0, 0, D / 16>(
@@ -130,7 +130,7 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
     // V is MN-major here (its rows run along the reduction dim).
     constexpr int kC = Tr::kChunkO, kChunks = D / kC;
     float(&acc)[kChunks][kC / 2] = reinterpret_cast<float(&)[kChunks][kC / 2]>(o);
-    const uint64_t dv = gmma_desc(smem_u32(sV), BN * 128, 1024);
+    const uint64_t dv = gmma_desc(smem_u32(sV), BN * 128);
     wgmma_group(
         [&] {
 #pragma unroll

@@ -25,15 +25,13 @@
 
 namespace dmattn::cuda::detail {
 
-// Descriptor of a 128-byte-swizzled shared-memory operand starting at `addr`.
-//   K-major (contiguous along the reduction dim): rows of 128 bytes, 8-row groups `group_bytes`
-//   apart (1024 in a SwizzledTile panel); `panel_bytes` is unused.
-//   MN-major (contiguous along M / N): 8-row groups along the reduction dim `group_bytes` apart,
-//   64-element panels along M / N `panel_bytes` apart.
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t panel_bytes,
-                                              uint32_t group_bytes) {
+// Descriptor of a 128-byte-swizzled SwizzledTile operand starting at `addr` (its 8-row groups
+// are 1024 bytes apart). K-major (contiguous along the reduction dim): `panel_bytes` is unused.
+// MN-major (contiguous along M / N): 64-element panels along M / N are `panel_bytes` apart.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t panel_bytes) {
   constexpr uint64_t kSwizzle128 = 1ull << 62;
-  return kSwizzle128 | (static_cast<uint64_t>((group_bytes >> 4) & 0x3fff) << 32) |
+  constexpr uint64_t kGroupBytes = 1024;
+  return kSwizzle128 | ((kGroupBytes >> 4) << 32) |
          (static_cast<uint64_t>((panel_bytes >> 4) & 0x3fff) << 16) | ((addr >> 4) & 0x3fff);
 }
 // The descriptor of the same layout `bytes` further on (bytes a multiple of 16).
