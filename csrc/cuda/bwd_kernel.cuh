@@ -16,7 +16,10 @@
 //   dbias_convert:   dbias = fp32 workspace in the output dtype (atomic dbias mode only)
 //
 // On sm_90a the GEMMs run on wgmma when every phase's warps stand in warpgroups of four 16-row
-// slices (kWgmma); the accumulators have the mma.sync layout either way.
+// slices (kWgmma); the accumulators have the mma.sync layout either way. Where a warp's phase A
+// tile is its phase B A operand (kRegFrags), P and dS stay in registers and phase B's GEMMs are
+// issued as soon as P, then dS, exist; dQ goes through a shared-memory stage and leaves with one
+// bulk reduction per block (StagedDq).
 //
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
@@ -34,6 +37,7 @@ namespace dmattn::cuda {
 
 // Shared-memory opt-in limit of sm_80 (A100): 163 KB per block. Tiles above it are sm_90-only.
 constexpr int kSmemLimitSm80 = 163 * 1024;
+constexpr int kSmemLimitSm90 = 227 * 1024;
 
 // Backward tile: key block BN, query block BM, NW warps, and the warp grid of each phase:
 //   phase A  (S^T, dP^T: keys x queries)  WKA warps along keys   x NW / WKA along queries
@@ -84,47 +88,81 @@ struct BwdTraits {
   static constexpr bool kWgmma = false;
 #endif
 
+  // A warp's phase A tile (16 keys x every query of the block) is the A operand of its phase B
+  // GEMMs: P and dS stay in registers for dV and dK (no P tile; on sm_90a the GEMMs start as
+  // soon as their operand is computed).
+  static constexpr bool kRegFrags = KA == 16 && KB == 16 && WKA == WKB && QA == BM;
+
   static constexpr int kBiasPitch = BN + 8;   // elements
   static constexpr int kMaskPitch = BN + 16;  // bytes
   static constexpr int kQBytes = BM * D * 2;
   static constexpr int kBiasBytes = BM * kBiasPitch * 2;
-  static constexpr int kPBytes = BN * BM * 2;
+  static constexpr int kBiasRowBytes = kBiasPitch * 2;  // a bias broadcast over queries
+  static constexpr int kPBytes = BN * BM * 2;  // P or dS
+  static constexpr int kPTileBytes = kRegFrags ? 0 : kPBytes;
   static constexpr int kMaskTile = BM * kMaskPitch;
-  static constexpr int kFixedBytes = 2 * BN * D * 2 + 2 * kStages * kQBytes + 2 * kPBytes +
-                                     2 * kMaskTile + 2 * kStages * BM * 4 + BN * 4;
+  // wgmma tiles (sm_90a code only) stage a block's dQ in shared memory and add it to the
+  // accumulator with one bulk reduction: the accumulator has the stage's layout (StagedDq).
+  static constexpr bool kDqStaged = kAllowWgmma && kWgmmaShape;
+  static constexpr int kDqBytes = kDqStaged ? BM * D * 4 : 0;
+  static constexpr int kFixedBytes = 2 * BN * D * 2 + 2 * kStages * kQBytes + kPBytes +
+                                     kPTileBytes + 2 * kMaskTile + 2 * kStages * BM * 4 + BN * 4 +
+                                     kDqBytes;
   static constexpr bool kAliasBiasP =
-      kStages == 1 && kFixedBytes + kStages * kBiasBytes > kSmemLimitSm80;
+      kStages == 1 && !kRegFrags && kFixedBytes + kStages * kBiasBytes > kSmemLimitSm80;
 
+  // Layout: the tiles every call uses, then the mask tiles, then the bias tiles (unless they
+  // share memory with P), so that a call without them launches with less (SmemBytes).
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + BN * D * 2;
   static constexpr int kOffQ = kOffV + BN * D * 2;          // kStages tiles
   static constexpr int kOffdO = kOffQ + kStages * kQBytes;  // kStages tiles
   static constexpr int kOffdS = kOffdO + kStages * kQBytes;
   static constexpr int kOffP = kOffdS + kPBytes;
-  static constexpr int kOffBias = kAliasBiasP ? kOffP : kOffP + kPBytes;  // kStages tiles
-  static constexpr int kPBiasBytes =
-      kAliasBiasP ? (kBiasBytes > kPBytes ? kBiasBytes : kPBytes) : kPBytes + kStages * kBiasBytes;
-  static constexpr int kOffMask = kOffP + kPBiasBytes;  // 2 tiles
-  static constexpr int kOffLse = kOffMask + 2 * kMaskTile;  // kStages x BM floats
-  static constexpr int kOffDsum = kOffLse + kStages * BM * 4;
+  static constexpr int kOffLse =
+      kOffP + (kAliasBiasP && kBiasBytes > kPBytes ? kBiasBytes : kPTileBytes);
+  static constexpr int kOffDsum = kOffLse + kStages * BM * 4;  // kStages x BM floats each
   static constexpr int kOffDB = kOffDsum + kStages * BM * 4;
   static constexpr int kOffPair = kOffDB + BN * 4;  // detail::BwdPair
-  // wgmma tiles stage dQ (fp32) for bulk reductions; the pitch keeps rows 16-byte aligned and
-  // the fragment stores free of bank conflicts. Sized by the shape, so host and device agree.
-  static constexpr int kDqPitch = D + 8;  // floats
   static constexpr int kOffDq = kOffPair + 64;
-  static constexpr int kSmem = kOffDq + (kWgmmaShape ? BM * kDqPitch * 4 : 0);
+  static constexpr int kOffMask = kOffDq + kDqBytes;  // 2 tiles
+  static constexpr int kOffBias = kAliasBiasP ? kOffP : kOffMask + 2 * kMaskTile;  // kStages
+  static constexpr int SmemBytes(bool mask, bool bias, bool bias_one_row) {
+    if (bias && !kAliasBiasP) {
+      return kOffBias + kStages * (bias_one_row ? kBiasRowBytes : kBiasBytes);
+    }
+    return mask ? kOffMask + 2 * kMaskTile : kOffMask;
+  }
+  static constexpr int kSmem = SmemBytes(true, true, false);
+  // Tiles whose full-bias layout exceeds sm_90's 227 KB serve only calls without a per-query
+  // bias (the launcher's SmemBytes check refuses the rest).
+  static constexpr bool kFitsQueryBias = kSmem <= kSmemLimitSm90;
   static_assert(kBiasBytes % 16 == 0 && kMaskTile % 16 == 0, "16-byte aligned tiles");
   static_assert((BN * D * 2) % 128 == 0 && kQBytes % 128 == 0 && kPBytes % 128 == 0,
                 "swizzled tiles start on 128-byte boundaries (FragAddr)");
   static_assert(!kWgmma || ((BN * D * 2) % 1024 == 0 && kQBytes % 1024 == 0 &&
                             kPBytes % 1024 == 0 && kOffP % 1024 == 0),
                 "wgmma operands start on 1024-byte boundaries");
-  static_assert(kOffDq % 16 == 0 && kSmem <= 227 * 1024, "dQ stage alignment, sm_90 capacity");
+  static_assert(kOffDq % 16 == 0 && SmemBytes(true, true, true) <= kSmemLimitSm90,
+                "dQ stage alignment, sm_90 capacity");
   // FragAddr folding: the phase B / C column offsets are multiples of a power of two above the
   // columns each warp walks.
   static constexpr bool kFoldB = (DB & (DB - 1)) == 0;
   static constexpr bool kFoldC = (DC & (DC - 1)) == 0 && (QC & (QC - 1)) == 0;
+};
+
+// The dq accumulator of wgmma tiles: [batch, H, Lq, D] fp32, the 16-byte chunks of row i XOR-ed
+// with i % 8, so that one query block of one head is contiguous (one bulk reduction from the
+// shared-memory stage, which has the same layout) and the stage's fragment stores are free of
+// bank conflicts. Other tiles accumulate in q's layout [batch, Lq, H, D].
+struct StagedDq {
+  __host__ __device__ static int64_t row(const AttentionShape& s, int64_t b, int64_t h) {
+    return (b * s.num_heads + h) * s.seqlen_q;  // first row of (b, h)
+  }
+  // Where column c of row i is stored within the row (only i % 8 matters).
+  __host__ __device__ static int column(int i, int c) {
+    return ((((c >> 2) ^ i) & 7) | ((c >> 2) & ~7)) * 4 + (c & 3);
+  }
 };
 
 namespace detail {
@@ -171,6 +209,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   constexpr int kStages = Tr::kStages;
   using TileKV = SwizzledTile<BN, D>;
   using TileP = SwizzledTile<BN, BM>;
+  constexpr int kFragSteps = Tr::kRegFrags ? BM / 16 : 1;
+  // sm_90a with register fragments: phase B's GEMMs start inside phase A.
+  constexpr bool kEarlyB = Tr::kWgmma && Tr::kRegFrags;
 
   extern __shared__ __align__(128) uint8_t smem[];
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -215,6 +256,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const BroadcastOperand& dop = p.dbias_op;
   const bool db_rowsum = dbias_mode != kDbiasNone && dop.row_stride == 0;
   const bool db_colsum = dbias_mode != kDbiasNone && dop.row_stride != 0 && dop.col_stride == 0;
+  const int bias_stage = (bias_one_row ? Tr::kBiasRowBytes : Tr::kBiasBytes) / 2;  // elements
 
   // Warp tiles of the three phases (local key / query / head-dim offsets).
   const int ka0 = (warp % Tr::WKA) * Tr::KA;  // phase A keys
@@ -223,6 +265,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const int db0 = (warp / Tr::WKB) * DB;      // phase B head-dim columns
   const int qc0 = (warp % Tr::WMC) * Tr::QC;  // phase C queries
   const int dc0 = (warp / Tr::WMC) * DC;      // phase C head-dim columns
+  // Element e of mma tile (mt, t) of phase A's warp tile: its local key and query; a pair
+  // (e = 2 h, 2 h + 1) shares the key and sits at pair_offset in the P / dS tiles.
+  auto key_of = [&](int mt, int e) { return ka0 + mt * 16 + g + (e >> 1) * 8; };
+  auto query_of = [&](int t, int e) { return qa0 + t * 8 + 2 * tq + (e & 1); };
+  auto pair_offset = [&](int mt, int t, int h) {
+    return TileP::off(key_of(mt, 2 * h), query_of(t, 0));
+  };
+  auto element_bit = [](int mt, int t, int e) { return (mt * NA + t) * 4 + e; };
+  static_assert(MA * NA * 4 <= 32, "one visibility bit per element of a phase A warp tile");
 
   // ldmatrix addressing (see FragAddr): A operands (rows = M dim) use row lane part
   // (lane & 7) + ((lane >> 3) & 1) * 8 and column lane part (lane >> 4) * 8; non-transposed B
@@ -261,6 +312,17 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   bool db_dirty = false;
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
+  // wgmma tiles: the staged dQ block waiting for its bulk reduction, which thread 0 issues after
+  // the barrier that follows the stage's writes (and their proxy fences).
+  float* dq_dst = nullptr;
+  int dq_bytes = 0;
+  auto reduce_staged_dq = [&] {
+    if (tid == 0 && dq_bytes > 0) {
+      bulk_reduce_add(dq_dst, sDq, dq_bytes);
+      bulk_commit();
+    }
+    dq_bytes = 0;
+  };
   const int64_t pairs = p.kv_members * G;
   for (int64_t pi = 0; pi < pairs; ++pi) {
     const int64_t b = batch_of(p, cls, pi / G);
@@ -277,7 +339,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       w.bias = has_bias ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
                               n0 * s.bias.col_stride
                         : nullptr;
-      w.dq = p.compute_dq ? p.dq_accum + s.q_offset(b, h) : nullptr;
+      w.dq = !p.compute_dq ? nullptr
+             : p.dq_accum + (Tr::kDqStaged ? StagedDq::row(s, b, h) * D : s.q_offset(b, h));
       w.dbias_entry = dbias_mode != kDbiasNone ? dop.offset(s.batch, b, h) : 0;
     }
     __syncthreads();
@@ -321,7 +384,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       if (has_bias) {
         load_operand_tile<BM, BN, Tr::kBiasPitch, NT>(
-            sBias + st * (Tr::kBiasBytes / 2), bg + static_cast<int64_t>(m0) * s.bias.row_stride,
+            sBias + st * bias_stage, bg + static_cast<int64_t>(m0) * s.bias.row_stride,
             s.bias.row_stride, s.bias.col_stride, L.q_len - m0, L.kv_len - n0, p.bias_vec,
             bias_one_row, tid);
       }
@@ -346,6 +409,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       cp_async_wait<0>();
       if constexpr (Tr::kWgmma) fence_async_shared();
       __syncthreads();  // block m's tiles (and K, V) visible; the other stage, P, dS free
+      if constexpr (Tr::kWgmma) reduce_staged_dq();  // the previous block's
 
       // ---------------- prefetch: the next active block's mask (and, two stages, its tiles) ----
       int next_flags;
@@ -359,45 +423,50 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
       const uint32_t so = static_cast<uint32_t>(stage * Tr::kQBytes);  // stage byte offset
-      const T* sB = sBias + stage * (Tr::kBiasBytes / 2);
+      const T* sB = sBias + stage * bias_stage;
       const float* sL = sLse + stage * BM;
       const float* sD = sDsum + stage * BM;
 
       // ---------------- GEMM: S^T = K Q^T + bias^T / scale (fused: and dP^T = V dO^T) --------
       float st[MA][NA][4], dp[MA][NA][4];
-#pragma unroll
-      for (int mt = 0; mt < MA; ++mt)
-#pragma unroll
-        for (int t = 0; t < NA; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float bv = 0.f;
-            if (has_bias) {
-              const int j = ka0 + mt * 16 + g + (e >> 1) * 8;
-              const int i = qa0 + t * 8 + 2 * tq + (e & 1);
-              bv = E::to_float(sB[(bias_one_row ? 0 : i) * Tr::kBiasPitch + j]) * p.bias_mul;
-            }
-            st[mt][t][e] = bv;
-            if constexpr (Tr::kFusedA) dp[mt][t][e] = 0.f;
-          }
+      // kRegFrags: P and dS as the A fragments of phase B's k-steps (16 queries each)
+      uint32_t pf[kFragSteps][4], dsf[kFragSteps][4];
+      // Each optional feature is tested once around its element loop (a branch, not a
+      // predicated instruction per element).
+      if (has_bias) {
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          const int i = bias_one_row ? 0 : query_of(t, e);
+          st[mt][t][e] = E::to_float(sB[i * Tr::kBiasPitch + key_of(mt, e)]) * p.bias_mul;
+        });
+      } else {
+        for_each_element<MA, NA>([&](int mt, int t, int e) { st[mt][t][e] = 0.f; });
+      }
+      if constexpr (Tr::kFusedA) {
+        for_each_element<MA, NA>([&](int mt, int t, int e) { dp[mt][t][e] = 0.f; });
+      }
       if constexpr (Tr::kWgmma) {
-        // S^T and dP^T in flight together: keys ka0 of the warpgroup's first warp.
+        // S^T and dP^T as two groups: P is computed while dP^T is in flight. Keys ka0 of the
+        // warpgroup's first warp.
         const uint32_t k_row = static_cast<uint32_t>((ka0 - (warp % 4) * 16) * 128);
         const uint32_t q_row = static_cast<uint32_t>(qa0 * 128) + so;
-        float(&acc_s)[Tr::QA / 2] = reinterpret_cast<float(&)[Tr::QA / 2]>(st);
-        float(&acc_p)[Tr::QA / 2] = reinterpret_cast<float(&)[Tr::QA / 2]>(dp);
         auto k_step = [](int ks) { return kmajor_step(ks, BN); };
         auto q_step = [](int ks) { return kmajor_step(ks, BM); };
-        wgmma_group(
+        wgmma_async(
             [&] {
-              wgmma_issue<0, 0, D / 16>(acc_s, gmma_desc(smem_u32(sK) + k_row, 0),
+              wgmma_issue<0, 0, D / 16>(flat(st), gmma_desc(smem_u32(sK) + k_row, 0),
                                         gmma_desc(smem_u32(sQ) + q_row, 0), k_step, q_step,
                                         T());
-              wgmma_issue<0, 0, D / 16>(acc_p, gmma_desc(smem_u32(sV) + k_row, 0),
+            },
+            flat(st));
+        wgmma_async(
+            [&] {
+              wgmma_issue<0, 0, D / 16>(flat(dp), gmma_desc(smem_u32(sV) + k_row, 0),
                                         gmma_desc(smem_u32(sdO) + q_row, 0), k_step, q_step,
                                         T());
             },
-            acc_s, acc_p);
+            flat(dp));
+        wgmma_wait<1>();
+        fence_operands(flat(st));
       } else {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -425,9 +494,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
-      // ---------------- softcap, visibility, P = exp(S - lse) -> smem ------------------------
-      // With a softcap, the dS factor 1 - tanh^2 parks in the dS tile until dS replaces it.
-      // Each thread reads back only what it wrote itself, so no barrier is needed for that.
+      // ---------------- visibility, softcap, P = exp(S - lse) -> smem or registers -----------
       const bool need_bounds =
           (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
           (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
@@ -435,47 +502,79 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       const uint8_t* sm = sMask + cur * Tr::kMaskTile;
       const bool mask_apply = !(flags & kTileAll);
       const bool capped = p.softcap > 0.f;
+      uint32_t hidden = 0;  // by the mask tile or the bounds: bit element_bit(mt, t, e)
+      if (mask_apply) {
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          const int i = mask_one_row ? 0 : query_of(t, e);
+          const bool keep = sm[i * Tr::kMaskPitch + key_of(mt, e)] != 0;
+          hidden |= static_cast<uint32_t>(!keep) << element_bit(mt, t, e);
+        });
+      }
+      if (need_bounds) {
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          const int i = m0 + query_of(t, e), j = n0 + key_of(mt, e);
+          const bool in =
+              i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+          hidden |= static_cast<uint32_t>(!in) << element_bit(mt, t, e);
+        });
+      }
+      // S = softcap tanh(S / softcap); the dS factor 1 - tanh^2 parks in the dS tile until dS
+      // replaces it (each thread reads back only what it wrote itself: no barrier).
+      if (capped) {
+        for_each_pair<MA, NA>([&](int mt, int t, int h) {
+          float fac[2];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float tc = accurate_tanh(st[mt][t][2 * h + k] * p.softcap_in);
+            st[mt][t][2 * h + k] = p.softcap * tc;
+            fac[k] = 1.f - tc * tc;
+          }
+          *reinterpret_cast<uint32_t*>(sdS + pair_offset(mt, t, h)) = E::pack(fac[0], fac[1]);
+        });
+      }
       if constexpr (Tr::kAliasBiasP) __syncthreads();  // bias tile (aliased by P) fully read
 #pragma unroll
       for (int t = 0; t < NA; ++t) {
-        const int il0 = qa0 + t * 8 + 2 * tq;  // local query of elements e = 0, 2 (+1: e = 1, 3)
-        const float2 lse2 = *reinterpret_cast<const float2*>(sL + il0);
+        const float2 lse2 = *reinterpret_cast<const float2*>(sL + query_of(t, 0));
         // lse = -inf (no visible key) gives P = 0 without an inf - inf.
         const float l2x = lse2.x == -INFINITY ? INFINITY : lse2.x * kLog2e;
         const float l2y = lse2.y == -INFINITY ? INFINITY : lse2.y * kLog2e;
 #pragma unroll
         for (int mt = 0; mt < MA; ++mt) {
-          float fac[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int jl = ka0 + mt * 16 + g + (e >> 1) * 8;
-            const int il = il0 + (e & 1);
-            bool vis = true;
-            if (mask_apply) vis = sm[(mask_one_row ? 0 : il) * Tr::kMaskPitch + jl] != 0;
-            if (need_bounds) {
-              const int i = m0 + il, j = n0 + jl;
-              const int dd = j - i;
-              vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
-            }
-            float x = st[mt][t][e];
-            fac[e] = 1.f;
-            if (capped) {
-              const float tc = accurate_tanh(x * p.softcap_in);
-              x = p.softcap * tc;
-              fac[e] = 1.f - tc * tc;
-            }
-            st[mt][t][e] = vis ? fast_exp2(x * p.softmax_mul - ((e & 1) ? l2y : l2x)) : 0.f;
+            const bool vis = !((hidden >> element_bit(mt, t, e)) & 1u);
+            const float x = st[mt][t][e] * p.softmax_mul - ((e & 1) ? l2y : l2x);
+            st[mt][t][e] = vis ? fast_exp2(x) : 0.f;
           }
-          const int r = ka0 + mt * 16 + g;
-          *reinterpret_cast<uint32_t*>(sP + TileP::off(r, il0)) =
-              E::pack(st[mt][t][0], st[mt][t][1]);
-          *reinterpret_cast<uint32_t*>(sP + TileP::off(r + 8, il0)) =
-              E::pack(st[mt][t][2], st[mt][t][3]);
-          if (capped) {
-            *reinterpret_cast<uint32_t*>(sdS + TileP::off(r, il0)) = E::pack(fac[0], fac[1]);
-            *reinterpret_cast<uint32_t*>(sdS + TileP::off(r + 8, il0)) = E::pack(fac[2], fac[3]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t packed = E::pack(st[mt][t][2 * h], st[mt][t][2 * h + 1]);
+            if constexpr (Tr::kRegFrags) {
+              pf[t / 2][(t % 2) * 2 + h] = packed;
+            } else {
+              *reinterpret_cast<uint32_t*>(sP + pair_offset(mt, t, h)) = packed;
+            }
           }
         }
+      }
+
+      // keys kb0 of the warpgroup's first warp in phase B; dO and Q are MN-major there (queries
+      // down the rows).
+      const uint32_t kb_row = static_cast<uint32_t>((kb0 - (warp % 4) * 16) * 128);
+      const uint32_t db_col = static_cast<uint32_t>((db0 / 64) * BM * 128) + so;
+      auto mn_step = [](int ks) { return mnmajor_step(ks); };
+      if constexpr (Tr::kWgmma) {
+        if constexpr (kEarlyB) {  // GEMM: dV += P^T dO, in flight during dS
+          wgmma_async(
+              [&] {
+                wgmma_issue_rs<1, BM / 16>(flat(dv), pf, gmma_desc(smem_u32(sdO) + db_col, BM * 128),
+                                           mn_step, T());
+              },
+              flat(dv));
+        }
+        wgmma_wait<kEarlyB ? 1 : 0>();  // dP^T
+        fence_operands(flat(dp));
       }
 
       // ---------------- GEMM: dP^T = V dO^T (unless fused above) ------------------------------
@@ -504,31 +603,33 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
-      // ---------------- dS = P (dP - D) (P as stored) -> smem, dbias --------------------------
+      // ---------------- dS = P (dP - D) (P as stored) -> smem (and registers), dbias ----------
 #pragma unroll
       for (int t = 0; t < NA; ++t) {
-        const int il0 = qa0 + t * 8 + 2 * tq;
-        const float2 ds2 = *reinterpret_cast<const float2*>(sD + il0);
+        const float2 ds2 = *reinterpret_cast<const float2*>(sD + query_of(t, 0));
 #pragma unroll
-        for (int mt = 0; mt < MA; ++mt) {
-          const int r = ka0 + mt * 16 + g;
+        for (int mt = 0; mt < MA; ++mt)
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int o = TileP::off(r + 8 * half, il0);
-            const float2 pv = E::unpack(*reinterpret_cast<const uint32_t*>(sP + o));
-            float d0 = pv.x * (dp[mt][t][2 * half] - ds2.x);
-            float d1 = pv.y * (dp[mt][t][2 * half + 1] - ds2.y);
-            if (capped) {
-              const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(sdS + o));
-              d0 *= f.x;
-              d1 *= f.y;
-            }
-            dp[mt][t][2 * half] = d0;
-            dp[mt][t][2 * half + 1] = d1;
-            *reinterpret_cast<uint32_t*>(sdS + o) = E::pack(d0, d1);
+          for (int h = 0; h < 2; ++h) {
+            const float2 pv = E::unpack(
+                Tr::kRegFrags ? pf[t / 2][(t % 2) * 2 + h]
+                              : *reinterpret_cast<const uint32_t*>(sP + pair_offset(mt, t, h)));
+            dp[mt][t][2 * h] = pv.x * (dp[mt][t][2 * h] - ds2.x);
+            dp[mt][t][2 * h + 1] = pv.y * (dp[mt][t][2 * h + 1] - ds2.y);
           }
-        }
       }
+      if (capped) {
+        for_each_pair<MA, NA>([&](int mt, int t, int h) {
+          const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(sdS + pair_offset(mt, t, h)));
+          dp[mt][t][2 * h] *= f.x;
+          dp[mt][t][2 * h + 1] *= f.y;
+        });
+      }
+      for_each_pair<MA, NA>([&](int mt, int t, int h) {
+        const uint32_t packed = E::pack(dp[mt][t][2 * h], dp[mt][t][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + pair_offset(mt, t, h)) = packed;
+        if constexpr (Tr::kRegFrags) dsf[t / 2][(t % 2) * 2 + h] = packed;
+      });
 
       // dbias contributions from registers
       if (dbias_mode != kDbiasNone) {
@@ -583,36 +684,54 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         }
       }
 
+      if constexpr (kEarlyB) {  // GEMM: dK += dS^T Q
+        wgmma_async(
+            [&] {
+              wgmma_issue_rs<1, BM / 16>(flat(dk), dsf, gmma_desc(smem_u32(sQ) + db_col, BM * 128),
+                                         mn_step, T());
+            },
+            flat(dk));
+      }
       if constexpr (Tr::kWgmma) fence_async_shared();
-      __syncthreads();  // P, dS visible
-
-      // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q ------------------------------------
+      if constexpr (kEarlyB) {
+        wgmma_wait<0>();
+        fence_operands(flat(dv));
+        fence_operands(flat(dk));
+      }
       if constexpr (Tr::kWgmma) {
-        // keys kb0 of the warpgroup's first warp; dO and Q are MN-major (queries down the rows).
-        const uint32_t k_row = static_cast<uint32_t>((kb0 - (warp % 4) * 16) * 128);
-        const uint32_t d_col = static_cast<uint32_t>((db0 / 64) * BM * 128) + so;
-        float(&acc_v)[DB / 2] = reinterpret_cast<float(&)[DB / 2]>(dv);
-        float(&acc_k)[DB / 2] = reinterpret_cast<float(&)[DB / 2]>(dk);
+        if (tid == 0) bulk_wait_read();  // the dQ stage was read
+      }
+      __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
+
+      // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q (unless started above) -------------
+      if constexpr (Tr::kWgmma && !kEarlyB) {
         auto p_step = [](int ks) { return kmajor_step(ks, BN); };
-        auto q_step = [](int ks) { return mnmajor_step(ks); };
         wgmma_group(
             [&] {
-              wgmma_issue<0, 1, BM / 16>(acc_v, gmma_desc(smem_u32(sP) + k_row, 0),
-                                         gmma_desc(smem_u32(sdO) + d_col, BM * 128),
-                                         p_step, q_step, T());
-              wgmma_issue<0, 1, BM / 16>(acc_k, gmma_desc(smem_u32(sdS) + k_row, 0),
-                                         gmma_desc(smem_u32(sQ) + d_col, BM * 128), p_step,
-                                         q_step, T());
+              wgmma_issue<0, 1, BM / 16>(flat(dv), gmma_desc(smem_u32(sP) + kb_row, 0),
+                                         gmma_desc(smem_u32(sdO) + db_col, BM * 128), p_step,
+                                         mn_step, T());
+              wgmma_issue<0, 1, BM / 16>(flat(dk), gmma_desc(smem_u32(sdS) + kb_row, 0),
+                                         gmma_desc(smem_u32(sQ) + db_col, BM * 128), p_step,
+                                         mn_step, T());
             },
-            acc_v, acc_k);
-      } else {
+            flat(dv), flat(dk));
+      } else if constexpr (!Tr::kWgmma) {
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks) {
           uint32_t ap[MB][4], ad[MB][4];
 #pragma unroll
           for (int mt = 0; mt < MB; ++mt) {
-            ldsm_x4(ap[mt], fpB(mt * 16, ks * 16));
-            ldsm_x4(ad[mt], fdsB(mt * 16, ks * 16));
+            if constexpr (Tr::kRegFrags) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                ap[mt][r] = pf[ks][r];
+                ad[mt][r] = dsf[ks][r];
+              }
+            } else {
+              ldsm_x4(ap[mt], fpB(mt * 16, ks * 16));
+              ldsm_x4(ad[mt], fdsB(mt * 16, ks * 16));
+            }
           }
 #pragma unroll
           for (int dq = 0; dq < DB / 16; ++dq) {
@@ -631,7 +750,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
 
       if constexpr (kStages == 1) {
-        __syncthreads();  // Q, dO, bias (and P) free: the next block loads during phase C
+        // Q, dO, bias (and P) free: the next block loads during phase C
+        if constexpr (!kEarlyB) __syncthreads();
         if (next <= m_last) load_step(next, 0);
       }
 
@@ -660,24 +780,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
                 },
                 acc_q);
 
-            // This warp's 16 rows go through the dQ stage, then one bulk reduction per row.
-            float* rows = sDq + qc0 * Tr::kDqPitch + dc0 + ch * CH;
-            if (lane < 16) bulk_wait_read();  // the previous block's rows were read
-            __syncwarp();
+            // into the stage; the reduction is issued after the next barrier
 #pragma unroll
             for (int t = 0; t < CH / 8; ++t)
 #pragma unroll
-              for (int half = 0; half < 2; ++half)
-                *reinterpret_cast<float2*>(rows + (g + 8 * half) * Tr::kDqPitch + t * 8 + 2 * tq) =
+              for (int half = 0; half < 2; ++half) {
+                const int r = qc0 + g + 8 * half, c = dc0 + ch * CH + t * 8 + 2 * tq;
+                *reinterpret_cast<float2*>(sDq + r * D + StagedDq::column(r, c)) =
                     make_float2(acc[0][t][2 * half], acc[0][t][2 * half + 1]);
-            fence_async_shared();
-            __syncwarp();
-            const int i = m0 + qc0 + lane;
-            if (lane < 16 && i < L.q_len) {
-              bulk_reduce_add(dqg + static_cast<int64_t>(i) * q_rs + dc0 + ch * CH,
-                              rows + lane * Tr::kDqPitch, CH * 4);
-            }
-            if (lane < 16) bulk_commit();
+              }
           } else {
 #pragma unroll
             for (int ks = 0; ks < BN / 16; ++ks) {
@@ -730,6 +841,10 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             }
           }
         }
+        if constexpr (Tr::kWgmma) {
+          dq_dst = dqg + static_cast<int64_t>(m0) * D;
+          dq_bytes = min(BM, L.q_len - m0) * D * 4;
+        }
       }
 
       cur ^= 1;
@@ -780,7 +895,10 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
   // ---- epilogue: dK = scale * sum dS^T Q, dV ---------------------------------------------
   if constexpr (Tr::kWgmma) {
-    if (lane < 16) bulk_wait_read();  // the dQ stage is read before the CTA exits
+    fence_async_shared();
+    __syncthreads();
+    reduce_staged_dq();
+    if (tid == 0) bulk_wait_read();  // the stage is read before the CTA exits
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -807,13 +925,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
 }  // namespace detail
 
-// Tiles too large for sm_80's shared memory compile to a trap there (none of the configured
-// ones: launch_template.cuh checks them against kSmemLimitSm80).
+// Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
+// trap (they are never launched there: launch_template.cuh picks tiles by device).
 template <typename Tr, typename T>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  constexpr bool kCompiled = Tr::kSmem <= kSmemLimitSm80;
+#if defined(__CUDA_ARCH__)
+  constexpr bool kCompiled =
+      (__CUDA_ARCH__ >= 900 || Tr::kSmem <= kSmemLimitSm80) && (!Tr::kDqStaged || Tr::kWgmma);
 #else
   constexpr bool kCompiled = true;
 #endif
@@ -875,6 +994,30 @@ __global__ void bwd_dq_convert(const float* __restrict__ acc, T* __restrict__ dq
   o.z = E::pack(c.x * scale, c.y * scale);
   o.w = E::pack(c.z * scale, c.w * scale);
   reinterpret_cast<uint4*>(dq)[i] = o;
+}
+
+// The same from the StagedDq accumulator; thread n converts q's elements 8 n .. 8 n + 7.
+template <int D, typename T>
+__global__ void bwd_dq_convert_staged(const __grid_constant__ BwdParams p, T* __restrict__ dq,
+                                      int64_t n8) {
+  using E = detail::Elem<T>;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= n8) return;
+  const AttentionShape& s = p.s;
+  const int c = static_cast<int>((n * 8) % D);
+  const int64_t r = n * 8 / D;  // (b, i, h) of q's rows
+  const int64_t h = r % s.num_heads, i = (r / s.num_heads) % s.seqlen_q;
+  const int64_t b = r / s.num_heads / s.seqlen_q;
+  const float* row = p.dq_accum + (StagedDq::row(s, b, h) + i) * D;
+  const int i8 = static_cast<int>(i % 8);
+  const float4 a = *reinterpret_cast<const float4*>(row + StagedDq::column(i8, c));
+  const float4 e = *reinterpret_cast<const float4*>(row + StagedDq::column(i8, c + 4));
+  uint4 o;
+  o.x = E::pack(a.x * s.scale, a.y * s.scale);
+  o.y = E::pack(a.z * s.scale, a.w * s.scale);
+  o.z = E::pack(e.x * s.scale, e.y * s.scale);
+  o.w = E::pack(e.z * s.scale, e.w * s.scale);
+  reinterpret_cast<uint4*>(dq)[n] = o;
 }
 
 template <typename T>

@@ -67,11 +67,13 @@ struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>>
 // sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them. The 64-key tile
 // with two stages wins on small grids and whenever a per-query bias tile streams with Q and dO
 // (H200, tests/cuda/tune_bwd128.cu: bias + mask [B,H,L,L] 7.03 vs 7.84 ms; dense 7.52 vs 8.12).
+// The 128-key tile keeps one stage (variant 3 there has two: slower, most with a mask).
 template <int D>
 struct BwdConfigSm90 : BwdConfig<D> {};
 template <>
 struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
                                      BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {
+  static_assert(Narrow::kFitsQueryBias, "the narrow tile takes every bias");
   static bool UseNarrow(const BwdLaunch& l) {
     const bool bias_rows = l.p.bias != nullptr && l.p.s.bias.row_stride != 0;
     return bias_rows || BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
@@ -191,8 +193,9 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   {
     const int64_t blocks = static_cast<int64_t>(p.n_blocks) * s.num_kv_heads * p.kv_classes;
     auto kernel = bwd_kernel<Tr, T>;
-    if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
-    kernel<<<static_cast<unsigned>(blocks), Tr::kNT, Tr::kSmem, stream>>>(p);
+    const int smem = Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
+    if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
+    kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 
@@ -200,8 +203,13 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   if (p.compute_dq) {
     const int64_t n8 = q_elems / 8;
     const int threads = 256;
-    bwd_dq_convert<T><<<static_cast<unsigned>((n8 + threads - 1) / threads), threads, 0, stream>>>(
-        p.dq_accum, static_cast<T*>(launch.dq), s.scale, n8);
+    const unsigned grid = static_cast<unsigned>((n8 + threads - 1) / threads);
+    if constexpr (Tr::kDqStaged) {
+      bwd_dq_convert_staged<D, T><<<grid, threads, 0, stream>>>(p, static_cast<T*>(launch.dq), n8);
+    } else {
+      bwd_dq_convert<T><<<grid, threads, 0, stream>>>(p.dq_accum, static_cast<T*>(launch.dq),
+                                                      s.scale, n8);
+    }
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   } else {
     DqParams dp;

@@ -167,20 +167,31 @@ __device__ __forceinline__ constexpr uint32_t mnmajor_step(int ks) {
   return static_cast<uint32_t>(ks * 2048);
 }
 
-// Runs the wgmmas that `issue` issues as one group and waits for them, the accumulators pinned
-// on both sides.
+// An mma.sync accumulator array [tiles][tiles][4] as the flat accumulator of one wgmma.
+template <int M, int N>
+__device__ __forceinline__ float (&flat(float (&acc)[M][N][4]))[M * N * 4] {
+  return reinterpret_cast<float(&)[M * N * 4]>(acc);
+}
+
+// Issues the wgmmas that `issue` issues as one group, not waited for: the accumulators may be
+// read after wgmma_wait<n> (n = the groups issued after this one) and fence_operands.
 template <typename Issue, int... R>
-__device__ __forceinline__ void wgmma_group(Issue issue, float (&... acc)[R]) {
+__device__ __forceinline__ void wgmma_async(Issue issue, float (&... acc)[R]) {
   (fence_operands(acc), ...);
   wgmma_fence();
   issue();
   wgmma_commit();
+}
+// wgmma_async, then waits for every group.
+template <typename Issue, int... R>
+__device__ __forceinline__ void wgmma_group(Issue issue, float (&... acc)[R]) {
+  wgmma_async(issue, acc...);
   wgmma_wait<0>();
   (fence_operands(acc), ...);
 }
 
 // acc += A B over kSteps k-steps of 16, operands in shared memory: the wgmmas are issued, not
-// waited for (inside wgmma_group, so several GEMMs can be in flight).
+// waited for (inside wgmma_async or wgmma_group, so several GEMMs can be in flight).
 // a_step(ks) / b_step(ks): the byte offset of k-step ks from the descriptors a / b.
 template <int kTA, int kTB, int kSteps, int R, typename T, typename AStep, typename BStep>
 __device__ __forceinline__ void wgmma_issue(float (&acc)[R], uint64_t a, uint64_t b,
@@ -188,6 +199,17 @@ __device__ __forceinline__ void wgmma_issue(float (&acc)[R], uint64_t a, uint64_
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
     wgmma_ss<kTA, kTB>(acc, gmma_advance(a, a_step(ks)), gmma_advance(b, b_step(ks)), true, tag);
+  }
+}
+
+// acc += A B over kSteps k-steps of 16, A from registers (a[ks]: k-step ks's fragment), B in
+// shared memory.
+template <int kTB, int kSteps, int R, typename T, typename BStep>
+__device__ __forceinline__ void wgmma_issue_rs(float (&acc)[R], const uint32_t (&a)[kSteps][4],
+                                               uint64_t b, BStep b_step, T tag) {
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    wgmma_rs<kTB>(acc, a[ks], gmma_advance(b, b_step(ks)), true, tag);
   }
 }
 
