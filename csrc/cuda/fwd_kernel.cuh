@@ -290,28 +290,19 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     load_kv(sV, vg, n);
     cp_async_commit();
 
-    // S = bias / scale + Q K^T
+    // S = bias / scale + Q K^T (each optional feature is tested once around its element loop:
+    // a branch, not a predicated instruction per element)
     float sc[MT][NTS][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = warp_row0 + mt * 16 + g + half * 8;
-        const int rr = bias_one_row ? 0 : r;
-#pragma unroll
-        for (int t = 0; t < NTS; ++t) {
-          float2 bv = make_float2(0.f, 0.f);
-          if (has_bias) {
-            const uint32_t u =
-                *reinterpret_cast<const uint32_t*>(sBias + rr * Tr::kBiasPitch + t * 8 + 2 * tq);
-            bv = E::unpack(u);
-            bv.x *= p.bias_mul;
-            bv.y *= p.bias_mul;
-          }
-          sc[mt][t][2 * half] = bv.x;
-          sc[mt][t][2 * half + 1] = bv.y;
-        }
-      }
+    if (has_bias) {
+      for_each_pair<MT, NTS>([&](int mt, int t, int half) {
+        const int r = bias_one_row ? 0 : warp_row0 + mt * 16 + g + half * 8;
+        const float2 bv = E::unpack(
+            *reinterpret_cast<const uint32_t*>(sBias + r * Tr::kBiasPitch + t * 8 + 2 * tq));
+        sc[mt][t][2 * half] = bv.x * p.bias_mul;
+        sc[mt][t][2 * half + 1] = bv.y * p.bias_mul;
+      });
+    } else {
+      for_each_element<MT, NTS>([&](int mt, int t, int e) { sc[mt][t][e] = 0.f; });
     }
     scores_gemm<Tr>(sc, sQ, sK, warp_row0, lane);
 
@@ -329,38 +320,22 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
-    const bool mask_apply = !(flags & kTileAll);
-    if (mask_apply || need_bounds) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp_row0 + mt * 16 + g + half * 8;
-          const int i = m0 + r;
-          const int rr = mask_one_row ? 0 : r;
-#pragma unroll
-          for (int t = 0; t < NTS; ++t) {
-            const int c = t * 8 + 2 * tq;
-            bool v0 = true, v1 = true;
-            if (mask_apply) {
-              const uint16_t mm =
-                  *reinterpret_cast<const uint16_t*>(sMask + rr * Tr::kMaskPitch + c);
-              v0 = (mm & 0xff) != 0;
-              v1 = (mm >> 8) != 0;
-            }
-            if (need_bounds) {
-              const int j = n0 + c;
-              const bool row_ok = i < L.q_len;
-              const int dd = j - i;
-              v0 = v0 && row_ok && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
-              v1 = v1 && row_ok && j + 1 < L.kv_len && dd + 1 >= band.dmin &&
-                   dd + 1 <= band.dmax;
-            }
-            if (!v0) sc[mt][t][2 * half] = -INFINITY;
-            if (!v1) sc[mt][t][2 * half + 1] = -INFINITY;
-          }
-        }
-      }
+    if (!(flags & kTileAll)) {
+      for_each_pair<MT, NTS>([&](int mt, int t, int half) {
+        const int r = mask_one_row ? 0 : warp_row0 + mt * 16 + g + half * 8;
+        const uint16_t mm =
+            *reinterpret_cast<const uint16_t*>(sMask + r * Tr::kMaskPitch + t * 8 + 2 * tq);
+        if (!(mm & 0xff)) sc[mt][t][2 * half] = -INFINITY;
+        if (!(mm >> 8)) sc[mt][t][2 * half + 1] = -INFINITY;
+      });
+    }
+    if (need_bounds) {
+      for_each_element<MT, NTS>([&](int mt, int t, int e) {
+        const int i = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+        const int j = n0 + t * 8 + 2 * tq + (e & 1);
+        const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+        if (!in) sc[mt][t][e] = -INFINITY;
+      });
     }
 
     int next_flags;
