@@ -445,28 +445,22 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         for_each_element<MA, NA>([&](int mt, int t, int e) { dp[mt][t][e] = 0.f; });
       }
       if constexpr (Tr::kWgmma) {
-        // S^T and dP^T as two groups: P is computed while dP^T is in flight. Keys ka0 of the
-        // warpgroup's first warp.
+        // S^T and dP^T in flight together (one group: two groups with P computed while dP^T
+        // runs make ptxas serialise the wgmmas). Keys ka0 of the warpgroup's first warp.
         const uint32_t k_row = static_cast<uint32_t>((ka0 - (warp % 4) * 16) * 128);
         const uint32_t q_row = static_cast<uint32_t>(qa0 * 128) + so;
         auto k_step = [](int ks) { return kmajor_step(ks, BN); };
         auto q_step = [](int ks) { return kmajor_step(ks, BM); };
-        wgmma_async(
+        wgmma_group(
             [&] {
               wgmma_issue<0, 0, D / 16>(flat(st), gmma_desc(smem_u32(sK) + k_row, 0),
                                         gmma_desc(smem_u32(sQ) + q_row, 0), k_step, q_step,
                                         T());
-            },
-            flat(st));
-        wgmma_async(
-            [&] {
               wgmma_issue<0, 0, D / 16>(flat(dp), gmma_desc(smem_u32(sV) + k_row, 0),
                                         gmma_desc(smem_u32(sdO) + q_row, 0), k_step, q_step,
                                         T());
             },
-            flat(dp));
-        wgmma_wait<1>();
-        fence_operands(flat(st));
+            flat(st), flat(dp));
       } else {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -564,17 +558,13 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       const uint32_t kb_row = static_cast<uint32_t>((kb0 - (warp % 4) * 16) * 128);
       const uint32_t db_col = static_cast<uint32_t>((db0 / 64) * BM * 128) + so;
       auto mn_step = [](int ks) { return mnmajor_step(ks); };
-      if constexpr (Tr::kWgmma) {
-        if constexpr (kEarlyB) {  // GEMM: dV += P^T dO, in flight during dS
-          wgmma_async(
-              [&] {
-                wgmma_issue_rs<1, BM / 16>(flat(dv), pf, gmma_desc(smem_u32(sdO) + db_col, BM * 128),
-                                           mn_step, T());
-              },
-              flat(dv));
-        }
-        wgmma_wait<kEarlyB ? 1 : 0>();  // dP^T
-        fence_operands(flat(dp));
+      if constexpr (kEarlyB) {  // GEMM: dV += P^T dO, in flight during dS
+        wgmma_async(
+            [&] {
+              wgmma_issue_rs<1, BM / 16>(flat(dv), pf, gmma_desc(smem_u32(sdO) + db_col, BM * 128),
+                                         mn_step, T());
+            },
+            flat(dv));
       }
 
       // ---------------- GEMM: dP^T = V dO^T (unless fused above) ------------------------------

@@ -21,7 +21,8 @@ cudaError_t TopkLeave(const int32_t* key, int32_t* leave, int64_t rows, int64_t 
 
 // mask[g, n, r, u] = first[g, n, u] <= n * block + r < end[g, n, u]: the per-block masks of
 // dynamic attention's compact key lists, bool [G, nb, block, U] from int32 [G, nb, U] row
-// ranges (16 slots x 16 rows per thread). Launches on `stream`; never synchronises.
+// ranges (16 slots x 16 rows per thread); `groups` = G * nb, the rows of `first`. Launches on
+// `stream`; never synchronises.
 cudaError_t RangeMask(const int32_t* first, const int32_t* end, bool* mask, int64_t groups,
                       int64_t num_blocks, int64_t block, int64_t slots, cudaStream_t stream);
 

@@ -65,18 +65,17 @@ template <>
 struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
 
 // sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them. The 64-key tile
-// with two stages wins on small grids and whenever a per-query bias tile streams with Q and dO
-// (H200, tests/cuda/tune_bwd128.cu: bias + mask [B,H,L,L] 7.03 vs 7.84 ms; dense 7.52 vs 8.12).
-// The 128-key tile keeps one stage (variant 3 there has two: slower, most with a mask).
+// (two stages) serves grids the 128-key one would leave short of CTAs. The 128-key tile keeps
+// one stage (H200, tests/cuda/tune_bwd128.cu: two stages are slower, most with a mask) and takes
+// a per-query bias too (bias + mask [B,H,L,L] 5.96 ms against 6.24 on the 64-key tile).
 template <int D>
 struct BwdConfigSm90 : BwdConfig<D> {};
 template <>
 struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
                                      BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {
-  static_assert(Narrow::kFitsQueryBias, "the narrow tile takes every bias");
+  static_assert(Traits::kFitsQueryBias && Narrow::kFitsQueryBias, "both tiles take any bias");
   static bool UseNarrow(const BwdLaunch& l) {
-    const bool bias_rows = l.p.bias != nullptr && l.p.s.bias.row_stride != 0;
-    return bias_rows || BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
+    return BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
   }
 };
 

@@ -2,7 +2,8 @@
 // double-precision reference. See tests/cuda/README.md for the build command.
 //
 //   kernel_check            all cases whose (head dim, dtype) is compiled in; exit 1 on failure
-//   kernel_check --quick    a few tiny irregular cases (for compute-sanitizer)
+//   kernel_check --quick    a few tiny irregular cases and the dynamic-mask kernels (for
+//                           compute-sanitizer)
 //   kernel_check --bench    also time a few large shapes (no reference)
 //   kernel_check --only S   run the cases whose name contains S (--case S: exactly S)
 //   kernel_check --list     print the case names; --bench-only: the benchmarks alone
@@ -28,6 +29,7 @@
 
 #include "common/params.h"
 #include "cuda/attention.h"
+#include "cuda/dynamic.h"
 #include "cuda/launch.h"
 
 using dmattn::AttentionShape;
@@ -847,6 +849,164 @@ bool Compiled(const Case& c) {
   return dmattn::cuda::SupportsHeadDim(c.D) && DtypeCompiled(c.bf16);
 }
 
+// The dynamic-mask kernels (cuda/dynamic.h) against brute force on small irregular shapes (part
+// of --quick, so that compute-sanitizer covers them).
+
+template <typename T>
+T* ToDevice(const std::vector<T>& h) {
+  T* d = nullptr;
+  CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+std::vector<T> ToHost(const T* d, size_t n) {
+  std::vector<T> h(n);
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Mismatches of leave[r, j] = index of the window-th key beating key j (keys before j with a
+// key >= its own, after j with a key >), or lk.
+int64_t CheckTopkLeave(std::mt19937& rng, int64_t rows, int64_t lk, int64_t window) {
+  std::uniform_int_distribution<int32_t> draw(-20, 20);  // many ties
+  std::vector<int32_t> key(rows * lk);
+  for (auto& x : key) x = draw(rng);
+  int32_t* d_key = ToDevice(key);
+  int32_t* d_leave = ToDevice(std::vector<int32_t>(rows * lk, -7));
+  CK(dmattn::cuda::TopkLeave(d_key, d_leave, rows, lk, window, nullptr));
+  const std::vector<int32_t> leave = ToHost(d_leave, rows * lk);
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < lk; ++j) {
+      const int32_t* k = key.data() + r * lk;
+      int64_t beaters = 0, expected = lk;
+      for (int64_t i = 0; i < lk && expected == lk; ++i) {
+        if (i != j && (i < j ? k[i] >= k[j] : k[i] > k[j]) && ++beaters == window) expected = i;
+      }
+      bad += leave[r * lk + j] != expected;
+    }
+  CK(cudaFree(d_key));
+  CK(cudaFree(d_leave));
+  return bad;
+}
+
+// Mismatches of mask[g, n, r, u] = first[g, n, u] <= n * block + r < end[g, n, u].
+int64_t CheckRangeMask(std::mt19937& rng, int64_t groups, int64_t nb, int64_t block,
+                       int64_t slots) {
+  std::uniform_int_distribution<int32_t> draw(-5, static_cast<int32_t>(nb * block + 5));
+  std::vector<int32_t> first(groups * nb * slots), end(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    first[i] = draw(rng);
+    end[i] = draw(rng);
+  }
+  int32_t* d_first = ToDevice(first);
+  int32_t* d_end = ToDevice(end);
+  const size_t n = groups * nb * block * slots;
+  bool* d_mask = nullptr;
+  CK(cudaMalloc(&d_mask, n));
+  CK(cudaMemset(d_mask, 7, n));
+  CK(dmattn::cuda::RangeMask(d_first, d_end, d_mask, groups * nb, nb, block, slots, nullptr));
+  const std::vector<uint8_t> mask = ToHost(reinterpret_cast<const uint8_t*>(d_mask), n);
+  int64_t bad = 0;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = 0; r < block; ++r)
+        for (int64_t u = 0; u < slots; ++u) {
+          const int64_t range = (g * nb + b) * slots + u, row = b * block + r;
+          const uint8_t expected = first[range] <= row && row < end[range];
+          bad += mask[((g * nb + b) * block + r) * slots + u] != expected;
+        }
+  CK(cudaFree(d_first));
+  CK(cudaFree(d_end));
+  CK(cudaFree(d_mask));
+  return bad;
+}
+
+// Mismatches of out[b, j, c] = sum over blocks n in [span0, span1) of
+// grad[b, n, slots[b, cc, n, j], c] (float32; slots outside [0, U) list nothing).
+int64_t CheckSumListedKeys(std::mt19937& rng, dmattn::ListedKeysShape s) {
+  s.dtype = dmattn::ElementType::kFloat32;
+  const int64_t B = s.batch, nb = s.blocks, U = s.slots, C = s.channels, D = s.dim;
+  const int64_t Cc = s.key_channels, lk = s.seqlen_k;
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int32_t> slot(-1, static_cast<int32_t>(U));
+  std::uniform_int_distribution<int32_t> block(-1, static_cast<int32_t>(nb + 1));
+  std::vector<float> grad(B * nb * U * C * D);
+  for (auto& x : grad) x = normal(rng);
+  std::vector<int32_t> slots(B * Cc * nb * lk), spans(B * Cc * 2 * lk);
+  for (auto& x : slots) x = slot(rng);
+  for (auto& x : spans) x = block(rng);
+  float* d_grad = ToDevice(grad);
+  int32_t* d_slots = ToDevice(slots);
+  int32_t* d_spans = ToDevice(spans);
+  float* d_out = ToDevice(std::vector<float>(B * lk * C * D, 1e9f));
+  dmattn::ListedKeysArgs a;
+  a.grad = d_grad;
+  a.slots = d_slots;
+  a.spans = d_spans;
+  a.out = d_out;
+  CK(dmattn::cuda::SumListedKeys(s, a, nullptr));
+  const std::vector<float> out = ToHost(d_out, B * lk * C * D);
+  int64_t bad = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < lk; ++j)
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t cc = Cc == 1 ? 0 : c;
+        const int32_t* span = spans.data() + (b * Cc + cc) * 2 * lk;
+        const int64_t n_end = std::min<int64_t>(span[lk + j], nb);
+        for (int64_t d = 0; d < D; ++d) {
+          double sum = 0.0, mag = 0.0;
+          for (int64_t n = std::max(span[j], 0); n < n_end; ++n) {
+            const int32_t u = slots[((b * Cc + cc) * nb + n) * lk + j];
+            if (u < 0 || u >= U) continue;
+            const float g = grad[(((b * nb + n) * U + u) * C + c) * D + d];
+            sum += g;
+            mag += std::fabs(g);
+          }
+          bad += std::fabs(out[((b * lk + j) * C + c) * D + d] - sum) > 1e-5 * (mag + 1.0);
+        }
+      }
+  CK(cudaFree(d_grad));
+  CK(cudaFree(d_slots));
+  CK(cudaFree(d_spans));
+  CK(cudaFree(d_out));
+  return bad;
+}
+
+bool DynamicKernelChecks() {
+  std::mt19937 rng(99);
+  int64_t bad = 0;
+  auto tally = [&](const char* what, int64_t n) {
+    if (n) std::printf("    %s: %lld mismatches\n", what, static_cast<long long>(n));
+    bad += n;
+  };
+  for (int64_t window : {1, 50, 700, 1000}) {
+    tally("TopkLeave", CheckTopkLeave(rng, 3, 700, window));
+  }
+  tally("TopkLeave", CheckTopkLeave(rng, 2, 2100, 33));
+  tally("RangeMask", CheckRangeMask(rng, 2, 3, 40, 37));
+  tally("RangeMask", CheckRangeMask(rng, 1, 2, 512, 304));
+  for (int64_t dim : {1, 6, 20, 130, 300}) {
+    for (int64_t key_channels : {1, 3}) {
+      dmattn::ListedKeysShape s;
+      s.batch = 2;
+      s.blocks = 5;
+      s.slots = 7;
+      s.channels = 3;
+      s.dim = dim;
+      s.key_channels = key_channels;
+      s.seqlen_k = 41;
+      tally("SumListedKeys", CheckSumListedKeys(rng, s));
+    }
+  }
+  std::printf("%-36s %s (TopkLeave, RangeMask, SumListedKeys vs brute force: %lld mismatches)\n",
+              "dynamic_kernels", bad ? "FAIL" : "PASS", static_cast<long long>(bad));
+  return bad == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 void Bench(bool variants) {
   struct B {
     const char* name;
@@ -992,6 +1152,7 @@ int main(int argc, char** argv) {
   }
   if (list) {
     for (const Case& c : AllCases()) std::printf("%s\n", c.name.c_str());
+    std::printf("dynamic_kernels\n");
     return 0;
   }
   int dev = 0;
@@ -1125,6 +1286,10 @@ int main(int argc, char** argv) {
     }
     std::printf("%s", vlines.c_str());
     std::fflush(stdout);
+  }
+  if (!bench_only && only.empty() && (exact.empty() || exact == "dynamic_kernels")) {
+    ++ran;
+    if (!DynamicKernelChecks()) ++failures;
   }
   if (variants) std::printf("variant failures: %d\n", variant_failures);
   if (bench) {

@@ -25,7 +25,7 @@ sync_out() {
   return 0
 }
 DEFS=""
-SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu csrc/cuda/block_map.cu"
+SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu csrc/cuda/block_map.cu csrc/cuda/dynamic.cu"
 VARIANTS=""
 if [ "$TUNE" = 1 ]; then
   DEFS="$DEFS -DDMATTN_CUDA_TUNING=1"
@@ -52,7 +52,8 @@ for f in build/obj/*.log; do echo "== $f: $(tail -1 $f)"; done > "$LOG/compile_t
 cat build/obj/*.log > "$LOG/compile.log"
 nvcc -gencode arch=compute_$ARCH,code=sm_$ARCH build/obj/*.o -o build/kernel_check >> "$LOG/compile.log" 2>&1 \
   || { echo "LINK FAILED"; grep -B2 -A8 -E "error" "$LOG/compile.log" | head -80; exit 1; }
-echo "build: $(el) s" | tee "$LOG/summary.txt"
+echo "build: $(el) s; ptxas wgmma serialisation warnings (C7518, must be 0): $(grep -c C7518 "$LOG/compile.log")" \
+  | tee "$LOG/summary.txt"
 grep -E "Compiling entry|spill|Used" "$LOG/compile.log" | sed 's/ptxas info    ://' > "$LOG/ptxas.txt"
 sync_out
 

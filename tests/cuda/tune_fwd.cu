@@ -8,7 +8,7 @@ namespace dmattn::cuda {
 using BF16 = __nv_bfloat16;
 
 int TuningVariants(bool backward, int head_dim) {
-  if (backward) return head_dim == 128 ? 6 : (head_dim == 64 ? 2 : 0);
+  if (backward) return head_dim == 128 ? 7 : (head_dim == 64 ? 2 : 0);
   return head_dim == 128 ? 4 : (head_dim == 64 ? 1 : 0);
 }
 
