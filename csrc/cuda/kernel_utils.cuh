@@ -342,25 +342,25 @@ __device__ __forceinline__ Band make_band(const AttentionShape& s) {
 // ------------------------------------------------------------------------------------------
 // Loops over a warp's mma accumulator tiles [M][N][4], unrolled so that f sees constants
 // ------------------------------------------------------------------------------------------
-// f(mt, t, e) for every element.
-template <int M, int N, typename F>
-__device__ __forceinline__ void for_each_element(F f) {
+// f(mt, t, k) for every mt < M, t < N, k < K.
+template <int M, int N, int K, typename F>
+__device__ __forceinline__ void for_each_index(F f) {
 #pragma unroll
   for (int mt = 0; mt < M; ++mt)
 #pragma unroll
     for (int t = 0; t < N; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) f(mt, t, e);
+      for (int k = 0; k < K; ++k) f(mt, t, k);
+}
+// f(mt, t, e) for every element.
+template <int M, int N, typename F>
+__device__ __forceinline__ void for_each_element(F f) {
+  for_each_index<M, N, 4>(f);
 }
 // f(mt, t, h) for every pair of elements 2 h, 2 h + 1 (one row, two adjacent columns).
 template <int M, int N, typename F>
 __device__ __forceinline__ void for_each_pair(F f) {
-#pragma unroll
-  for (int mt = 0; mt < M; ++mt)
-#pragma unroll
-    for (int t = 0; t < N; ++t)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) f(mt, t, h);
+  for_each_index<M, N, 2>(f);
 }
 
 }  // namespace dmattn::cuda::detail
