@@ -5,7 +5,8 @@
 //   kernel_check --quick    a few tiny irregular cases and the dynamic-mask kernels (for
 //                           compute-sanitizer)
 //   kernel_check --bench    also time a few large shapes (no reference)
-//   kernel_check --only S   run the cases whose name contains S (--case S: exactly S)
+//   kernel_check --only S   run the cases (and benchmarks) whose name contains S (--case S:
+//                           exactly S)
 //   kernel_check --list     print the case names; --bench-only: the benchmarks alone
 //   kernel_check --variants also check / time the alternative tiles of a tuning build
 //                           (-DDMATTN_CUDA_TUNING with tests/cuda/tune_*.cu)
@@ -1007,7 +1008,8 @@ bool DynamicKernelChecks() {
 }
 
 // ---------------------------------------------------------------------------------------------
-void Bench(bool variants) {
+// only: run the benchmarks whose name contains it (all when empty).
+void Bench(bool variants, const std::string& only) {
   struct B {
     const char* name;
     Case c;
@@ -1066,7 +1068,7 @@ void Bench(bool variants) {
   std::printf("\n%-55s %10s %10s %10s %10s\n", "bench (bf16)", "fwd ms", "fwd TF/s", "bwd ms",
               "bwd TF/s");
   for (auto& b : benches) {
-    if (!Compiled(b.c)) continue;
+    if (!Compiled(b.c) || std::string(b.name).find(only) == std::string::npos) continue;
     Problem P = Build(b.c, 7, true);
     Buffers in = UploadInputs(P);
     const double fl = 4.0 * P.B * b.c.H * b.c.Lq * b.c.Lk * b.c.D * (b.c.causal ? 0.5 : 1.0);
@@ -1293,8 +1295,8 @@ int main(int argc, char** argv) {
   }
   if (variants) std::printf("variant failures: %d\n", variant_failures);
   if (bench) {
-    Bench(variants);
-    BenchSplits();
+    Bench(variants, only);
+    if (only.empty()) BenchSplits();
   }
   std::printf("\n%d case(s) run, %d failed\n", ran, failures);
   return failures ? 1 : 0;
