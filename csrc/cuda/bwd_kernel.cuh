@@ -135,7 +135,7 @@ struct BwdTraits {
   }
   static constexpr int kSmem = SmemBytes(true, true, false);
   // Tiles whose full-bias layout exceeds sm_90's 227 KB serve only calls without a per-query
-  // bias (the launcher's SmemBytes check refuses the rest).
+  // bias (for the rest, PrepareSmem returns the CUDA error).
   static constexpr bool kFitsQueryBias = kSmem <= kSmemLimitSm90;
   static_assert(kBiasBytes % 16 == 0 && kMaskTile % 16 == 0, "16-byte aligned tiles");
   static_assert((BN * D * 2) % 128 == 0 && kQBytes % 128 == 0 && kPBytes % 128 == 0,
