@@ -610,7 +610,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       if (capped) {
         for_each_pair<MA, NA>([&](int mt, int t, int h) {
-          const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(sdS + pair_offset(mt, t, h)));
+          const uint32_t fac = *reinterpret_cast<const uint32_t*>(sdS + pair_offset(mt, t, h));
+          const float2 f = E::unpack(fac);
           dp[mt][t][2 * h] *= f.x;
           dp[mt][t][2 * h + 1] *= f.y;
         });
@@ -759,16 +760,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
               for (int e = 0; e < 4; ++e) acc[mt][t][e] = 0.f;
           if constexpr (Tr::kWgmma) {
             // dS (keys down the rows) and K are both MN-major here.
-            float(&acc_q)[CH / 2] = reinterpret_cast<float(&)[CH / 2]>(acc);
-            auto step = [](int ks) { return mnmajor_step(ks); };
             const uint32_t k_col = ((dc0 + ch * CH) / 64) * BN * 128;
             wgmma_group(
                 [&] {
-                  wgmma_issue<1, 1, BN / 16>(acc_q, gmma_desc(smem_u32(sdS), BN * 128),
+                  wgmma_issue<1, 1, BN / 16>(flat(acc), gmma_desc(smem_u32(sdS), BN * 128),
                                              gmma_desc(smem_u32(sK) + k_col, BN * 128),
-                                             step, step, T());
+                                             mn_step, mn_step, T());
                 },
-                acc_q);
+                flat(acc));
 
             // into the stage; the reduction is issued after the next barrier
 #pragma unroll

@@ -75,7 +75,7 @@ __device__ __forceinline__ void scores_gemm(float (&sc)[Tr::MT][Tr::NTS][4], con
                                             const T* sK, int warp_row0, int lane) {
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, MT = Tr::MT;
   if constexpr (Tr::kWgmma) {
-    float(&acc)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(sc);
+    float(&acc)[BN / 2] = flat(sc);
     const uint64_t dq = gmma_desc(smem_u32(sQ), 0);
     const uint64_t dk = gmma_desc(smem_u32(sK), 0);
     wgmma_group(
@@ -141,7 +141,7 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
                           gmma_advance(dv, mnmajor_step(kk) + c * (kC / 64) * BN * 128), true,
                           T());
         },
-        reinterpret_cast<float(&)[D / 2]>(o));
+        flat(o));
   } else {
     const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
 #pragma unroll

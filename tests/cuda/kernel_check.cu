@@ -853,31 +853,16 @@ bool Compiled(const Case& c) {
 // The dynamic-mask kernels (cuda/dynamic.h) against brute force on small irregular shapes (part
 // of --quick, so that compute-sanitizer covers them).
 
-template <typename T>
-T* ToDevice(const std::vector<T>& h) {
-  T* d = nullptr;
-  CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
-  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-template <typename T>
-std::vector<T> ToHost(const T* d, size_t n) {
-  std::vector<T> h(n);
-  CK(cudaDeviceSynchronize());
-  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
 // Mismatches of leave[r, j] = index of the window-th key beating key j (keys before j with a
 // key >= its own, after j with a key >), or lk.
 int64_t CheckTopkLeave(std::mt19937& rng, int64_t rows, int64_t lk, int64_t window) {
   std::uniform_int_distribution<int32_t> draw(-20, 20);  // many ties
   std::vector<int32_t> key(rows * lk);
   for (auto& x : key) x = draw(rng);
-  int32_t* d_key = ToDevice(key);
-  int32_t* d_leave = ToDevice(std::vector<int32_t>(rows * lk, -7));
+  int32_t* d_key = Upload(key);
+  int32_t* d_leave = Upload(std::vector<int32_t>(rows * lk, -7));
   CK(dmattn::cuda::TopkLeave(d_key, d_leave, rows, lk, window, nullptr));
-  const std::vector<int32_t> leave = ToHost(d_leave, rows * lk);
+  const std::vector<int32_t> leave = Download(d_leave, rows * lk);
   int64_t bad = 0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < lk; ++j) {
@@ -902,14 +887,14 @@ int64_t CheckRangeMask(std::mt19937& rng, int64_t groups, int64_t nb, int64_t bl
     first[i] = draw(rng);
     end[i] = draw(rng);
   }
-  int32_t* d_first = ToDevice(first);
-  int32_t* d_end = ToDevice(end);
+  int32_t* d_first = Upload(first);
+  int32_t* d_end = Upload(end);
   const size_t n = groups * nb * block * slots;
   bool* d_mask = nullptr;
   CK(cudaMalloc(&d_mask, n));
   CK(cudaMemset(d_mask, 7, n));
   CK(dmattn::cuda::RangeMask(d_first, d_end, d_mask, groups * nb, nb, block, slots, nullptr));
-  const std::vector<uint8_t> mask = ToHost(reinterpret_cast<const uint8_t*>(d_mask), n);
+  const std::vector<uint8_t> mask = Download(reinterpret_cast<const uint8_t*>(d_mask), n);
   int64_t bad = 0;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < nb; ++b)
@@ -939,17 +924,17 @@ int64_t CheckSumListedKeys(std::mt19937& rng, dmattn::ListedKeysShape s) {
   std::vector<int32_t> slots(B * Cc * nb * lk), spans(B * Cc * 2 * lk);
   for (auto& x : slots) x = slot(rng);
   for (auto& x : spans) x = block(rng);
-  float* d_grad = ToDevice(grad);
-  int32_t* d_slots = ToDevice(slots);
-  int32_t* d_spans = ToDevice(spans);
-  float* d_out = ToDevice(std::vector<float>(B * lk * C * D, 1e9f));
+  float* d_grad = Upload(grad);
+  int32_t* d_slots = Upload(slots);
+  int32_t* d_spans = Upload(spans);
+  float* d_out = Upload(std::vector<float>(B * lk * C * D, 1e9f));
   dmattn::ListedKeysArgs a;
   a.grad = d_grad;
   a.slots = d_slots;
   a.spans = d_spans;
   a.out = d_out;
   CK(dmattn::cuda::SumListedKeys(s, a, nullptr));
-  const std::vector<float> out = ToHost(d_out, B * lk * C * D);
+  const std::vector<float> out = Download(d_out, B * lk * C * D);
   int64_t bad = 0;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < lk; ++j)
