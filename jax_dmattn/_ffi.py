@@ -10,6 +10,7 @@ import numpy as np
 
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
+MASK_MAP_TARGET = "dmattn_mask_map"
 TOPK_LEAVE_TARGET = "dmattn_topk_leave"
 RANGE_MASK_TARGET = "dmattn_range_mask"
 SUM_LISTED_KEYS_TARGET = "dmattn_sum_listed_keys"
@@ -54,7 +55,9 @@ def cuda_dtypes() -> tuple[str, ...]:
 # ---- calls ----------------------------------------------------------------------------------
 # Operand order and workspaces mirror csrc/ffi/decode.h. Every operand has the same number of
 # leading batch dims (size 1 where it broadcasts); the kernels take at most MAX_BATCH_DIMS of them,
-# so neighbouring dims that every operand treats alike are merged first (a free reshape).
+# so neighbouring dims that every operand treats alike are merged first (a free reshape). A CUDA
+# call with a mask also takes the mask's block map, made by its own call (``call_mask_map``): one
+# jit holding a forward and its backward computes it once (XLA merges the identical calls).
 
 MAX_BATCH_DIMS = 4
 
@@ -110,7 +113,10 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, opts.out_dtype(q.dtype)), ((*batch, heads, seqlen_q), np.float32)]
-    workspaces = _cuda_forward_workspaces(opts) if platform == "cuda" else None
+    workspaces = None
+    if platform == "cuda":
+        extras = _with_mask_map(opts, extras)
+        workspaces = _cuda_forward_workspaces
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
 
@@ -126,11 +132,28 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     workspaces = [(lse.shape, np.float32)]  # softmax_d
     extra = None
     if platform == "cuda":
+        extras = _with_mask_map(opts, extras)
         workspaces.append((q.shape, np.float32))  # dq accumulator
         extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
                  q.ndim - 3, opts.ffi_attributes(params), extra)
     return outs[:len(grads)]
+
+
+def call_mask_map(mask):
+    """The CUDA kernels' mask block map (csrc/cuda/attention.h): bool ``[..., R, C]`` -> uint8
+    ``[..., ceil(R / cell), ceil(C / cell)]``, one byte of flags per cell."""
+    register_targets()
+    cell = build_info()["mask_map_cell"]
+    *lead, rows, cols = mask.shape
+    result = jax.ShapeDtypeStruct((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
+    return jax.ffi.ffi_call(MASK_MAP_TARGET, result)(mask)
+
+
+def _with_mask_map(opts, extras: tuple) -> tuple:
+    """The CUDA kernels' extra operands: the mask's block map after the others."""
+    mask = opts.split(extras)[0]
+    return extras if mask is None else (*extras, call_mask_map(mask))
 
 
 def call_topk_leave(key, window: int):
@@ -160,28 +183,13 @@ def call_sum_listed_keys(grad, slots, spans):
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
-# slots are fixed (forward: mask block map, split-KV partials; backward: dq accumulator, mask
-# block map, dbias accumulator), so an unused one still takes a single element.
+# slots are fixed (forward: split-KV partials; backward: dq accumulator, dbias accumulator), so an
+# unused one still takes a single element.
 
 
-def _cuda_mask_map_workspace(mask_index: int):
-    def workspaces(arg_shapes, result_shapes):
-        q, k = arg_shapes[0], arg_shapes[1]
-        n = _extension().cuda_mask_map_bytes(q, k, arg_shapes[mask_index])
-        return [((max(n, 1),), np.uint8)]
-
-    return workspaces
-
-
-def _cuda_forward_workspaces(opts):
-    mask_map = _cuda_mask_map_workspace(mask_index=3)
-
-    def workspaces(arg_shapes, result_shapes):
-        out = mask_map(arg_shapes, result_shapes) if opts.has_mask else [((1,), np.uint8)]
-        n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1])
-        return [*out, ((max(n, 1),), np.uint8)]
-
-    return workspaces
+def _cuda_forward_workspaces(arg_shapes, result_shapes):
+    n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1])
+    return [((max(n, 1),), np.uint8)]
 
 
 def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> int:
@@ -191,16 +199,13 @@ def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> i
 
 
 def _cuda_backward_workspaces(opts, num_grads: int):
-    mask_map = _cuda_mask_map_workspace(mask_index=7)
-
     def workspaces(arg_shapes, result_shapes):
-        out = mask_map(arg_shapes, result_shapes) if opts.has_mask else [((1,), np.uint8)]
         n = 0
         if opts.has_bias:
             bias_shape = arg_shapes[7 + int(opts.has_mask)]
             q, k = arg_shapes[0], arg_shapes[1]
             dk, dbias = result_shapes[1], result_shapes[num_grads - 1]
             n = _extension().cuda_dbias_workspace_elements(q, k, dk, bias_shape, dbias)
-        return [*out, ((max(n, 1),), np.float32)]
+        return [((max(n, 1),), np.float32)]
 
     return workspaces

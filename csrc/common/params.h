@@ -19,6 +19,8 @@ namespace dmattn {
 constexpr int kMaxBatchDims = 4;
 // Platform workspaces a call may carry after its results.
 constexpr int kMaxWorkspaces = 3;
+// Rows and columns of one cell of the CUDA kernels' mask block map (cuda/attention.h).
+constexpr int kMaskMapCell = 64;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -141,6 +143,7 @@ struct ForwardArgs {
   void* out = nullptr;
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
+  const uint8_t* mask_map = nullptr;  // CUDA, with a mask: its block map (cuda/attention.h)
   // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
   void* workspace[kMaxWorkspaces] = {};
   int64_t workspace_bytes[kMaxWorkspaces] = {};
@@ -157,6 +160,7 @@ struct BackwardArgs {
   const float* lse = nullptr;
   const float* dlse = nullptr;
   const bool* mask = nullptr;
+  const uint8_t* mask_map = nullptr;  // CUDA, with a mask: its block map (cuda/attention.h)
   const void* bias = nullptr;
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;

@@ -11,8 +11,6 @@
 
 namespace dmattn::cuda::detail {
 
-constexpr int kMapCell = 64;  // rows and columns of one map cell
-
 // The cells of the mask entry read by one (batch, query head).
 struct MaskMapView {
   const uint8_t* cells;
@@ -28,11 +26,11 @@ struct MaskMapView {
   // kTileAny | kTileAll of the ROWS x COLS tile whose first element is (r0, c0).
   template <int ROWS, int COLS>
   __device__ __forceinline__ int tile(int r0, int c0) const {
-    static_assert(ROWS % kMapCell == 0 && COLS % kMapCell == 0, "tiles cover whole cells");
-    const int cr = rows == 1 ? 0 : r0 / kMapCell;
-    const int cc = cols == 1 ? 0 : c0 / kMapCell;
-    const int nr = min(rows == 1 ? 1 : ROWS / kMapCell, rows - cr);
-    const int nc = min(cols == 1 ? 1 : COLS / kMapCell, cols - cc);
+    static_assert(ROWS % kMaskMapCell == 0 && COLS % kMaskMapCell == 0, "tiles cover whole cells");
+    const int cr = rows == 1 ? 0 : r0 / kMaskMapCell;
+    const int cc = cols == 1 ? 0 : c0 / kMaskMapCell;
+    const int nr = min(rows == 1 ? 1 : ROWS / kMaskMapCell, rows - cr);
+    const int nc = min(cols == 1 ? 1 : COLS / kMaskMapCell, cols - cc);
     int any = 0, all = kTileAll;
     for (int i = 0; i < nr; ++i) {
       for (int j = 0; j < nc; ++j) {

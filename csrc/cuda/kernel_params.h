@@ -15,7 +15,7 @@ namespace dmattn::cuda {
 // all-true tiles, from a few bytes. One mask entry (the [Lq|1, Lk|1] slice of a batch/head entry)
 // has rows x cols cells, row-major; a dim the mask broadcasts over has one cell.
 struct MaskBlockMap {
-  uint8_t* cells = nullptr;
+  const uint8_t* cells = nullptr;
   int64_t entry_elems = 1;  // mask elements per entry
   int rows = 0;
   int cols = 0;

@@ -237,20 +237,17 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.bias_vec = VectorOk(shape, shape.bias, p.bias, 2);
   if (!p.mask) p.s.mask.present = false;
   if (!p.bias) p.s.bias.present = false;
-  if (cudaError_t e =
-          BuildMaskBlockMap(p.s, p.mask, p.mask_vec, args.workspace[0], stream, &p.mask_map);
-      e != cudaSuccess) {
-    return e;
-  }
+  if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
+  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
   // The workspace was sized at trace time by the same rule; fewer splits if it came out smaller.
   const int64_t split_bytes = SplitBytes(shape);
   int64_t splits = ForwardSplits(shape);
-  if (split_bytes > 0 && splits * split_bytes > args.workspace_bytes[1]) {
-    splits = args.workspace[1] != nullptr ? args.workspace_bytes[1] / split_bytes : 1;
+  if (split_bytes > 0 && splits * split_bytes > args.workspace_bytes[0]) {
+    splits = args.workspace[0] != nullptr ? args.workspace_bytes[0] / split_bytes : 1;
   }
   p.num_splits = splits > 1 ? static_cast<int>(splits) : 1;
   if (p.num_splits > 1) {
-    p.o_partial = static_cast<float*>(args.workspace[1]);
+    p.o_partial = static_cast<float*>(args.workspace[0]);
     p.lse_partial = p.o_partial + p.num_splits * shape.batch_count() * shape.num_heads *
                                       shape.seqlen_q * shape.head_dim;
   }
@@ -313,11 +310,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   if (!p.bias) p.s.bias.present = false;
   p.compute_dq = !shape.deterministic;
   if (p.compute_dq && p.dq_accum == nullptr) return cudaErrorInvalidValue;
-  if (cudaError_t e =
-          BuildMaskBlockMap(p.s, p.mask, p.mask_vec, args.workspace[1], stream, &p.mask_map);
-      e != cudaSuccess) {
-    return e;
-  }
+  if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
+  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
 
   const Members mem = KvMembers(shape);
   p.dkv_batch = shape.dkv_batch;
@@ -331,7 +325,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     l.dbias_elems = p.dbias_op.num_elements;
     if (DbiasNeedsWorkspace(shape)) {
       p.dbias_mode = kDbiasAtomic;
-      p.dbias_accum = static_cast<float*>(args.workspace[2]);
+      p.dbias_accum = static_cast<float*>(args.workspace[1]);
       if (p.dbias_accum == nullptr) return cudaErrorInvalidValue;
     } else {
       p.dbias_mode = kDbiasDirect;

@@ -43,10 +43,8 @@ struct BwdLaunch {
   int64_t dbias_elems = 0;
 };
 
-// Lays out the mask block map in `cells` (MaskBlockMapBytes(shape) bytes) and fills it from
-// `mask` on `stream` (`vec`: 16-byte loads are possible); nothing when `mask` is null.
-cudaError_t BuildMaskBlockMap(const AttentionShape& shape, const uint8_t* mask, bool vec,
-                              void* cells, cudaStream_t stream, MaskBlockMap* map);
+// How the kernels read the block map `cells` (BuildMaskBlockMap) of the call's mask.
+MaskBlockMap MaskBlockMapLayout(const AttentionShape& shape, const uint8_t* cells);
 
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);

@@ -12,7 +12,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error CheckSupported(const AttentionShape& shape) {
+ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map) {
   if (shape.dtype == ElementType::kFloat32) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: CUDA kernels take float16 or bfloat16, not float32");
@@ -21,6 +21,10 @@ ffi::Error CheckSupported(const AttentionShape& shape) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: no CUDA kernel compiled for head dim " +
                           std::to_string(shape.head_dim));
+  }
+  if (shape.mask.present && mask_map == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: a CUDA call with a mask needs its mask_map operand");
   }
   return ffi::Error::Success();
 }
@@ -36,7 +40,7 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remain
   AttentionShape shape;
   ForwardArgs ptrs;
   if (auto e = DecodeForward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
-  if (auto e = CheckSupported(shape); e.failure()) return e;
+  if (auto e = CheckSupported(shape, ptrs.mask_map); e.failure()) return e;
   return CudaStatus(cuda::Forward(shape, ptrs, stream), "forward");
 }
 
@@ -45,8 +49,29 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   AttentionShape shape;
   BackwardArgs ptrs;
   if (auto e = DecodeBackward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
-  if (auto e = CheckSupported(shape); e.failure()) return e;
+  if (auto e = CheckSupported(shape, ptrs.mask_map); e.failure()) return e;
   return CudaStatus(cuda::Backward(shape, ptrs, stream), "backward");
+}
+
+ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
+                       ffi::ResultBuffer<ffi::U8> map) {
+  const auto md = mask.dimensions(), cd = map->dimensions();
+  const size_t rank = md.size();
+  int64_t entries = 1;
+  bool ok = rank >= 2 && cd.size() == rank;
+  for (size_t d = 0; ok && d < rank; ++d) {
+    const bool cell_dim = d + 2 >= rank;
+    ok = cd[d] == (cell_dim ? (md[d] + kMaskMapCell - 1) / kMaskMapCell : md[d]);
+    if (!cell_dim) entries *= md[d];
+  }
+  if (!ok) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: mask_map takes a mask [..., R, C] and returns uint8 "
+                      "[..., ceil(R / 64), ceil(C / 64)]");
+  }
+  return CudaStatus(cuda::BuildMaskBlockMap(mask.typed_data(), entries, md[rank - 2],
+                                            md[rank - 1], map->typed_data(), stream),
+                    "mask_map");
 }
 
 ffi::Error CudaTopkLeave(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
@@ -110,6 +135,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnForwardCuda, dmattn::CudaForward, dmattn::At
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
                               dmattn::AttentionBinding(), {dmattn::kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnMaskMapCuda, dmattn::CudaMaskMap,
+                              dmattn::OnStream()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),
+                              {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnTopkLeaveCuda, dmattn::CudaTopkLeave,
                               dmattn::OnStream()

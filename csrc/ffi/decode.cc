@@ -1,5 +1,6 @@
 #include "ffi/decode.h"
 
+#include <optional>
 #include <string>
 
 namespace dmattn {
@@ -173,15 +174,35 @@ ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, Attentio
 }
 
 // The optional operands shared by forward and backward.
+// The CUDA mask block map, uint8 [..mask's leading dims, ceil(R / cell), ceil(C / cell)] for a
+// mask [..., R, C].
+ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t** out) {
+  const auto md = mask.dimensions(), cd = map.dimensions();
+  bool ok = map.element_type() == ffi::DataType::U8 && cd.size() == md.size();
+  for (size_t d = 0; ok && d < md.size(); ++d) {
+    const bool cell_dim = d + 2 >= md.size();
+    ok = cd[d] == (cell_dim ? (md[d] + kMaskMapCell - 1) / kMaskMapCell : md[d]);
+  }
+  if (!ok) {
+    return Invalid("mask_map must be uint8 of the mask's dims with its last two divided by " +
+                   std::to_string(kMaskMapCell) + " (rounded up), got " +
+                   DimsString(cd) + " for mask " + DimsString(md));
+  }
+  *out = static_cast<const uint8_t*>(map.untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
                                   ffi::DataType dtype, AttentionShape* s, const bool** mask,
                                   const void** bias, const int32_t** q_lens,
-                                  const int32_t** kv_lens) {
+                                  const int32_t** kv_lens, const uint8_t** mask_map) {
+  std::optional<ffi::AnyBuffer> mask_buffer;
   if (attrs.has_mask) {
     DMATTN_ASSIGN_OR_RETURN(m, cursor.Next("mask"));
     if (m.element_type() != ffi::DataType::PRED) return Invalid("mask must be bool");
     if (auto e = DecodeBroadcastOperand(m, *s, "mask", &s->mask); e.failure()) return e;
     *mask = static_cast<const bool*>(m.untyped_data());
+    mask_buffer = m;
   }
   if (attrs.has_bias) {
     DMATTN_ASSIGN_OR_RETURN(b, cursor.Next("bias"));
@@ -195,6 +216,10 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
     if (auto e = DecodeSeqlens(ql, kl, s); e.failure()) return e;
     *q_lens = static_cast<const int32_t*>(ql.untyped_data());
     *kv_lens = static_cast<const int32_t*>(kl.untyped_data());
+  }
+  if (mask_buffer && !cursor.done()) {
+    DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));
+    return DecodeMaskMap(map, *mask_buffer, mask_map);
   }
   return ffi::Error::Success();
 }
@@ -277,7 +302,7 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
   if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens);
+                                      &p->q_lens, &p->kv_lens, &p->mask_map);
       e.failure()) {
     return e;
   }
@@ -312,7 +337,7 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   if (auto e = ExpectLse(dlse, *s, "dlse"); e.failure()) return e;
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens);
+                                      &p->q_lens, &p->kv_lens, &p->mask_map);
       e.failure()) {
     return e;
   }

@@ -1,10 +1,11 @@
 // Decoding of an FFI call frame into the one params struct, for both platforms.
 //
-// Operand order (mirrored by jax_dmattn/ops.py):
-//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens]
+// Operand order (mirrored by jax_dmattn/_ffi.py):
+//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [mask_map]
 //            rets: out, lse, [platform workspaces]
-//   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens]
+//   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens], [mask_map]
 //            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
+// mask_map: the CUDA kernels' mask block map (cuda/attention.h), which they need with a mask.
 #pragma once
 
 #include <cstdint>

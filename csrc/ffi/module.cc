@@ -38,6 +38,7 @@ nb::dict Registrations() {
   nb::dict cuda;
   cuda["dmattn_fwd"] = Capsule(DmattnForwardCuda);
   cuda["dmattn_bwd"] = Capsule(DmattnBackwardCuda);
+  cuda["dmattn_mask_map"] = Capsule(DmattnMaskMapCuda);
   cuda["dmattn_topk_leave"] = Capsule(DmattnTopkLeaveCuda);
   cuda["dmattn_range_mask"] = Capsule(DmattnRangeMaskCuda);
   cuda["dmattn_sum_listed_keys"] = Capsule(DmattnSumListedKeysCuda);
@@ -53,6 +54,7 @@ nb::dict BuildInfo() {
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};
   info["cuda_archs"] = std::string(DMATTN_CUDA_ARCHS);
   info["cuda_dtypes"] = std::string(DMATTN_CUDA_DTYPES);
+  info["mask_map_cell"] = dmattn::kMaskMapCell;
 #else
   info["cuda"] = false;
   info["cuda_head_dims"] = std::vector<int>{};
@@ -91,7 +93,7 @@ void ThrowOnError(const xla::ffi::Error& e) {
   if (e.failure()) throw std::invalid_argument(e.message());
 }
 
-// fp32 elements of the CUDA backward's dbias accumulator (workspace 2) for a call with these
+// fp32 elements of the CUDA backward's dbias accumulator (workspace 1) for a call with these
 // shapes; 0 when none is needed.
 int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
@@ -109,34 +111,26 @@ int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> 
   return dmattn::cuda::BackwardDbiasWorkspaceElements(shape);
 }
 
-// The shape a CUDA forward call with these operand shapes decodes to (mask optional).
-dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
-                                    const std::vector<int64_t>* mask) {
+// The shape a CUDA forward call with these q and k shapes decodes to.
+dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k) {
   ShapeOnlyBuffers b;
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
-  dmattn::Buffers args = {qb, kb, kb};
-  if (mask != nullptr) args.push_back(b.Add(*mask, XLA_FFI_DataType_PRED));
+  const dmattn::Buffers args = {qb, kb, kb};
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, mask != nullptr, false, false, false};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, false, false, false};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;
   ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
   return shape;
 }
 
-// Bytes of the CUDA mask block map (forward workspace 0, backward workspace 1).
-int64_t CudaMaskMapBytes(std::vector<int64_t> q, std::vector<int64_t> k,
-                         std::vector<int64_t> mask) {
-  return dmattn::cuda::MaskBlockMapBytes(ForwardShape(q, k, &mask));
-}
-
 // Key splits of the CUDA forward on the current device, and the bytes of their partial results
-// (forward workspace 1).
+// (forward workspace 0).
 int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
-  return dmattn::cuda::ForwardSplits(ForwardShape(q, k, nullptr));
+  return dmattn::cuda::ForwardSplits(ForwardShape(q, k));
 }
 int64_t CudaForwardSplitBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
-  return dmattn::cuda::ForwardSplitWorkspaceBytes(ForwardShape(q, k, nullptr));
+  return dmattn::cuda::ForwardSplitWorkspaceBytes(ForwardShape(q, k));
 }
 #endif
 
@@ -150,8 +144,6 @@ NB_MODULE(_dmattn, m) {
 #if defined(DMATTN_WITH_CUDA)
   m.def("cuda_dbias_workspace_elements", &CudaDbiasWorkspaceElements, "q"_a, "k"_a, "dk"_a,
         "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
-  m.def("cuda_mask_map_bytes", &CudaMaskMapBytes, "q"_a, "k"_a, "mask"_a,
-        "Bytes of the CUDA kernels' mask block map.");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_split_bytes", &CudaForwardSplitBytes, "q"_a, "k"_a,

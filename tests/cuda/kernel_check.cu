@@ -490,7 +490,7 @@ bool DtypeCompiled(bool bf16) {
 
 struct Buffers {
   uint16_t *q, *k, *v, *bias, *dout;
-  uint8_t* mask;
+  uint8_t *mask, *mask_map;
   float* dlse;
   int32_t *ql, *kl;
 };
@@ -529,16 +529,15 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.k = in.k;
   fa.v = in.v;
   fa.mask = reinterpret_cast<const bool*>(in.mask);
+  fa.mask_map = in.mask_map;
   fa.bias = in.bias;
   fa.q_lens = in.ql;
   fa.kv_lens = in.kl;
   fa.out = f.out;
   fa.lse = f.lse;
-  const int64_t map_bytes = dmattn::cuda::MaskBlockMapBytes(s);
-  fa.workspace[0] = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
   const int64_t split_bytes = splits ? dmattn::cuda::ForwardSplitWorkspaceBytes(s) : 0;
-  fa.workspace[1] = split_bytes > 0 ? Poisoned(split_bytes) : nullptr;
-  fa.workspace_bytes[1] = split_bytes;
+  fa.workspace[0] = split_bytes > 0 ? Poisoned(split_bytes) : nullptr;
+  fa.workspace_bytes[0] = split_bytes;
   CK(dmattn::cuda::Forward(s, fa, 0));
   CK(cudaDeviceSynchronize());
   if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Forward(s, fa, 0)); }, reps);
@@ -559,10 +558,8 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   void* dbias = s.bias.present ? Poisoned(P.dbias_elems * 2) : nullptr;
   float* sd = static_cast<float*>(Poisoned(P.B * s.num_heads * s.seqlen_q * 4));
   void* ws0 = Poisoned(P.q_elems * 4);
-  const int64_t map_bytes = dmattn::cuda::MaskBlockMapBytes(s);
-  void* ws1 = map_bytes > 0 ? Poisoned(map_bytes) : nullptr;
-  const int64_t ws2n = dmattn::cuda::BackwardDbiasWorkspaceElements(s);
-  void* ws2 = ws2n > 0 ? Poisoned(ws2n * 4) : nullptr;
+  const int64_t ws1n = dmattn::cuda::BackwardDbiasWorkspaceElements(s);
+  void* ws1 = ws1n > 0 ? Poisoned(ws1n * 4) : nullptr;
   BackwardArgs ba;
   ba.q = in.q;
   ba.k = in.k;
@@ -572,6 +569,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.lse = f.lse;
   ba.dlse = in.dlse;
   ba.mask = reinterpret_cast<const bool*>(in.mask);
+  ba.mask_map = in.mask_map;
   ba.bias = in.bias;
   ba.q_lens = in.ql;
   ba.kv_lens = in.kl;
@@ -582,7 +580,6 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.softmax_d = sd;
   ba.workspace[0] = ws0;
   ba.workspace[1] = ws1;
-  ba.workspace[2] = ws2;
   CK(dmattn::cuda::Backward(s, ba, 0));
   CK(cudaDeviceSynchronize());
   if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Backward(s, ba, 0)); }, reps);
@@ -590,7 +587,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
   r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
   if (dbias) r->dbias = Download(static_cast<uint16_t*>(dbias), P.dbias_elems);
-  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1, ws2})
+  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1})
     if (p) CK(cudaFree(p));
 }
 
@@ -620,6 +617,20 @@ void Worst(const char* what, const std::vector<uint16_t>& x, const std::vector<d
               static_cast<long long>(rem % D), dt.dec(x[wi]), ref[wi]);
 }
 
+// The mask's block map, as the FFI layer's mask_map call makes it (null without a mask).
+uint8_t* BuildMaskMap(const AttentionShape& s, const uint8_t* mask) {
+  if (mask == nullptr) return nullptr;
+  const int64_t rows = s.mask.row_stride != 0 ? s.seqlen_q : 1;
+  const int64_t cols = s.mask.col_stride != 0 ? s.seqlen_k : 1;
+  const int64_t entries = s.mask.num_elements / std::max<int64_t>(rows * cols, 1);
+  const int64_t cell = dmattn::kMaskMapCell;
+  auto* cells = static_cast<uint8_t*>(
+      Poisoned(entries * ((rows + cell - 1) / cell) * ((cols + cell - 1) / cell)));
+  CK(dmattn::cuda::BuildMaskBlockMap(reinterpret_cast<const bool*>(mask), entries, rows, cols,
+                                     cells, 0));
+  return cells;
+}
+
 Buffers UploadInputs(const Problem& P) {
   Buffers b;
   b.q = Upload(P.q);
@@ -628,6 +639,7 @@ Buffers UploadInputs(const Problem& P) {
   b.bias = Upload(P.bias);
   b.dout = Upload(P.dout);
   b.mask = Upload(P.mask);
+  b.mask_map = BuildMaskMap(P.s, b.mask);
   b.dlse = Upload(P.dlse);
   b.ql = Upload(P.q_lens);
   b.kl = Upload(P.kv_lens);
@@ -636,7 +648,8 @@ Buffers UploadInputs(const Problem& P) {
 void FreeInputs(Buffers& b) {
   for (void* p : {static_cast<void*>(b.q), static_cast<void*>(b.k), static_cast<void*>(b.v),
                   static_cast<void*>(b.bias), static_cast<void*>(b.dout),
-                  static_cast<void*>(b.mask), static_cast<void*>(b.dlse),
+                  static_cast<void*>(b.mask), static_cast<void*>(b.mask_map),
+                  static_cast<void*>(b.dlse),
                   static_cast<void*>(b.ql), static_cast<void*>(b.kl)})
     if (p) CK(cudaFree(p));
 }
