@@ -1,6 +1,7 @@
 // Backward kernels.
 //
 //   bwd_preprocess:  softmax_d = rowsum(dout * out) - dlse                  (one warp per row)
+//   bwd_zero_dbias:  zeros of a full-size dbias where bwd_kernel computes nothing (no memset)
 //   bwd_kernel:      one CTA per (key block, kv head, dk/dv slot class). K and V of the block
 //                    stay in shared memory; the CTA walks every (batch, query head) pair that
 //                    reads this kv slot (the GQA group and the batches dk/dv broadcast over) and
@@ -38,6 +39,8 @@ namespace dmattn::cuda {
 // Shared-memory opt-in limit of sm_80 (A100): 163 KB per block. Tiles above it are sm_90-only.
 constexpr int kSmemLimitSm80 = 163 * 1024;
 constexpr int kSmemLimitSm90 = 227 * 1024;
+// Threads of a bwd_zero_dbias CTA.
+constexpr int kZeroThreads = 256;
 
 // Backward tile: key block BN, query block BM, NW warps, and the warp grid of each phase:
 //   phase A  (S^T, dP^T: keys x queries)  WKA warps along keys   x NW / WKA along queries
@@ -200,6 +203,25 @@ struct BwdPair {
 };
 static_assert(sizeof(BwdPair) == 64, "BwdPair fills its 64-byte slot");
 
+// Query blocks [*m_first, *m_last] (empty: last < first) of BM rows that see any key of the BN
+// keys from n0, from lengths and the diagonal band alone.
+template <int BM, int BN>
+__device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L, const Band& band,
+                                                    int* m_first, int* m_last) {
+  *m_first = 0;
+  *m_last = -1;
+  if (n0 >= L.kv_len || L.q_len <= 0) return;
+  const int j_last = min(n0 + BN, L.kv_len) - 1;
+  int64_t i_min = static_cast<int64_t>(n0) - band.dmax;      // j <= i + dmax
+  int64_t i_max = static_cast<int64_t>(j_last) - band.dmin;  // j >= i + dmin
+  i_min = i_min < 0 ? 0 : i_min;
+  i_max = i_max > L.q_len - 1 ? L.q_len - 1 : i_max;
+  if (i_max >= i_min) {
+    *m_first = static_cast<int>(i_min / BM);
+    *m_last = static_cast<int>(i_max / BM);
+  }
+}
+
 template <typename Tr, typename T>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
@@ -345,19 +367,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     }
     __syncthreads();
     const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
-    // Query blocks that see any key of this block.
-    int m_first = 0, m_last = -1;
-    if (n0 < L.kv_len && L.q_len > 0) {
-      const int j_last = min(n0 + BN, L.kv_len) - 1;
-      int64_t i_min = static_cast<int64_t>(n0) - band.dmax;  // j <= i + dmax
-      int64_t i_max = static_cast<int64_t>(j_last) - band.dmin;  // j >= i + dmin
-      i_min = i_min < 0 ? 0 : i_min;
-      i_max = i_max > L.q_len - 1 ? L.q_len - 1 : i_max;
-      if (i_max >= i_min) {
-        m_first = static_cast<int>(i_min / BM);
-        m_last = static_cast<int>(i_max / BM);
-      }
-    }
+    int m_first, m_last;
+    query_blocks_seeing<BM, BN>(n0, L, band, &m_first, &m_last);
 
     auto load_mask = [&](int m, int buf) {
       load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
@@ -912,6 +923,40 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   store_tile<BN, D, NT>(static_cast<T*>(p.dv) + dkv_off, sV, kv_rs, Lk - n0, tid);
 }
 
+// p.dbias_fill: zeros for the dbias rows of each (key block, kv head, class) of the main grid that
+// no computed query block of its pairs writes (before each computed block, after the last), in
+// a pass of its own at full memory bandwidth: a memset of all of dbias writes twice as much for
+// a causal call, and the same stores inside the main kernel stall its CTAs.
+template <int BM, int BN, typename T>
+__device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
+  const AttentionShape& s = p.s;
+  const int Hk = static_cast<int>(s.num_kv_heads);
+  const int G = static_cast<int>(s.num_heads / s.num_kv_heads);
+  const int64_t bid = blockIdx.x;
+  const int n0 = static_cast<int>(bid % p.n_blocks) * BN;
+  const int hk = static_cast<int>((bid / p.n_blocks) % Hk);
+  const int64_t cls = bid / p.n_blocks / Hk;
+  const int Lq = static_cast<int>(s.seqlen_q), Lk = static_cast<int>(s.seqlen_k);
+  const SeqLens L = seq_lens(s, nullptr, nullptr, 0);  // dbias_fill: no sequence lengths
+  int m_first, m_last;
+  query_blocks_seeing<BM, BN>(n0, L, make_band(s), &m_first, &m_last);
+  for (int64_t pi = 0; pi < p.kv_members * G; ++pi) {
+    const int64_t b = batch_of(p, cls, pi / G);
+    const int h = hk * G + static_cast<int>(pi % G);
+    const MaskMapView map(p.mask_map, s, b, h);
+    T* cols = static_cast<T*>(p.dbias) + p.dbias_op.offset(s.batch, b, h) + n0;
+    int from = 0, flags;
+    for (int m = next_query_block<BM, BN>(map, p.mask != nullptr, n0, m_first, m_last, &flags);;
+         m = next_query_block<BM, BN>(map, p.mask != nullptr, n0, m + 1, m_last, &flags)) {
+      const int to = m <= m_last ? m * BM : Lq;
+      zero_rows<kZeroThreads>(cols, p.dbias_op.row_stride, from, to, min(BN, Lk - n0),
+                              threadIdx.x);
+      if (m > m_last) break;
+      from = to + BM;
+    }
+  }
+}
+
 }  // namespace detail
 
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
@@ -930,6 +975,12 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   } else {
     detail::bwd_main<Tr, T>(p);
   }
+}
+
+template <int BM, int BN, typename T>
+__global__ void __launch_bounds__(kZeroThreads)
+    bwd_zero_dbias(const __grid_constant__ BwdParams p) {
+  detail::zero_unwritten_dbias<BM, BN, T>(p);
 }
 
 template <typename T>

@@ -91,6 +91,9 @@ struct BwdParams {
 
   int n_blocks;
   int dbias_mode;
+  // Direct full-size dbias without sequence lengths: zeros only where the main kernel computes
+  // nothing (bwd_zero_dbias), not a memset of all of dbias.
+  bool dbias_fill;
   // Bias addressing for dbias (strides of the dbias operand; equal to the bias's).
   BroadcastOperand dbias_op;
 

@@ -239,6 +239,27 @@ __device__ __forceinline__ void store_tile(T* gmem, const T* smem, int64_t row_s
   }
 }
 
+// Zeros rows [r_begin, r_end) x columns [0, cols) of a row-major matrix of 16-bit elements,
+// spread over the CTA's NT threads: 16-byte stores where every row start allows them.
+template <int NT, typename T>
+__device__ __forceinline__ void zero_rows(T* gmem, int64_t row_stride, int r_begin, int r_end,
+                                          int cols, int tid) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  const bool vec = row_stride % 8 == 0 && cols % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(gmem) % 16 == 0;
+  const int per_row = vec ? cols / 8 : cols;
+  const int64_t total = static_cast<int64_t>(r_end - r_begin) * per_row;
+  for (int64_t id = tid; id < total; id += NT) {
+    const int64_t r = r_begin + id / per_row;
+    const int c = static_cast<int>(id % per_row);
+    if (vec) {
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + c * 8) = make_uint4(0, 0, 0, 0);
+    } else {
+      *reinterpret_cast<uint16_t*>(gmem + r * row_stride + c) = 0;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Broadcast operand tiles (mask: 1-byte bool, bias: 16-bit), [ROWS][COLS] in shared memory
 // with a padded row pitch SROW (elements). Element (r, c) of the tile is

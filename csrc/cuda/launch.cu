@@ -329,6 +329,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
       if (p.dbias_accum == nullptr) return cudaErrorInvalidValue;
     } else {
       p.dbias_mode = kDbiasDirect;
+      p.dbias_fill = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
     }
   }
 

@@ -168,14 +168,20 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   }
   p.softmax_d = launch.softmax_d;
 
-  // 2. zero what is accumulated into
+  // 2. zero what is accumulated into, and a full-size dbias where the main kernel writes nothing
+  p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
+  const int64_t blocks = static_cast<int64_t>(p.n_blocks) * s.num_kv_heads * p.kv_classes;
   if (p.compute_dq) {
     if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream);
         e != cudaSuccess) {
       return e;
     }
   }
-  if (p.dbias_mode == kDbiasDirect) {
+  if (p.dbias_fill) {
+    bwd_zero_dbias<Tr::BM, Tr::BN, T>
+        <<<static_cast<unsigned>(blocks), kZeroThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  } else if (p.dbias_mode == kDbiasDirect) {
     if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, launch.dbias_elems * sizeof(T), stream);
         e != cudaSuccess) {
       return e;
@@ -189,9 +195,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   }
 
   // 3. main kernel: dk, dv, dbias (and dq through atomics)
-  p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
   {
-    const int64_t blocks = static_cast<int64_t>(p.n_blocks) * s.num_kv_heads * p.kv_classes;
     auto kernel = bwd_kernel<Tr, T>;
     const int smem = Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
