@@ -222,7 +222,7 @@ __device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L, co
   }
 }
 
-template <typename Tr, typename T>
+template <typename Tr, typename T, bool kBias>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
@@ -271,13 +271,16 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const T* vg = static_cast<const T*>(p.v) + s.kv_offset(b_rep, hk) + n0 * kv_rs;
 
   const bool has_mask = p.mask != nullptr;
-  const bool has_bias = p.bias != nullptr;
+  constexpr bool has_bias = kBias;  // p.bias != nullptr
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
-  const int dbias_mode = p.dbias_mode;
+  const int dbias_mode = kBias ? p.dbias_mode : kDbiasNone;
   const BroadcastOperand& dop = p.dbias_op;
   const bool db_rowsum = dbias_mode != kDbiasNone && dop.row_stride == 0;
   const bool db_colsum = dbias_mode != kDbiasNone && dop.row_stride != 0 && dop.col_stride == 0;
+  // p.dbias_staged: dbias tiles leave through the bias tile of their block (free once phase A
+  // has read it; not where P shares its memory) in 16-byte chunks instead of 2-byte stores.
+  const bool db_staged = !Tr::kAliasBiasP && p.dbias_staged;
   const int bias_stage = (bias_one_row ? Tr::kBiasRowBytes : Tr::kBiasBytes) / 2;  // elements
 
   // Warp tiles of the three phases (local key / query / head-dim offsets).
@@ -295,6 +298,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     return TileP::off(key_of(mt, 2 * h), query_of(t, 0));
   };
   auto element_bit = [](int mt, int t, int e) { return (mt * NA + t) * 4 + e; };
+  // The [query][key] tile row (pitch kBiasPitch) that this lane addresses in an ldmatrix /
+  // stmatrix .trans of the four 8 x 8 blocks (queries 8 t', keys 16 mt + 8 h), t' = t, t + 1,
+  // h = 0, 1, of phase A's tiles (mt, t) and (mt, t + 1).
+  const int blk = lane >> 3;
+  auto transposed_row = [&](int mt, int t) {
+    return (qa0 + (t + (blk >> 1)) * 8 + (lane & 7)) * Tr::kBiasPitch + ka0 + mt * 16 +
+           (blk & 1) * 8;
+  };
   static_assert(MA * NA * 4 <= 32, "one visibility bit per element of a phase A warp tile");
 
   // ldmatrix addressing (see FragAddr): A operands (rows = M dim) use row lane part
@@ -444,10 +455,23 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       uint32_t pf[kFragSteps][4], dsf[kFragSteps][4];
       // Each optional feature is tested once around its element loop (a branch, not a
       // predicated instruction per element).
-      if (has_bias) {
+      if (has_bias && !bias_one_row) {  // bias^T fragments: ldmatrix.trans of the tile
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+          for (int t = 0; t < NA; t += 2) {
+            uint32_t r[4];
+            ldsm_x4_t(r, smem_u32(sB + transposed_row(mt, t)));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 bv = E::unpack(r[j]);
+              st[mt][t + (j >> 1)][2 * (j & 1)] = bv.x * p.bias_mul;
+              st[mt][t + (j >> 1)][2 * (j & 1) + 1] = bv.y * p.bias_mul;
+            }
+          }
+      } else if (has_bias) {
         for_each_element<MA, NA>([&](int mt, int t, int e) {
-          const int i = bias_one_row ? 0 : query_of(t, e);
-          st[mt][t][e] = E::to_float(sB[i * Tr::kBiasPitch + key_of(mt, e)]) * p.bias_mul;
+          st[mt][t][e] = E::to_float(sB[key_of(mt, e)]) * p.bias_mul;
         });
       } else {
         for_each_element<MA, NA>([&](int mt, int t, int e) { st[mt][t][e] = 0.f; });
@@ -663,6 +687,21 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
               }
             }
           }
+        } else if (db_staged) {
+          // dS^T into the bias tile, in dbias's [query][key] layout; each warp overwrites only the
+          // blocks it read. Stored after the barrier.
+#pragma unroll
+          for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+            for (int t = 0; t < NA; t += 2) {
+              uint32_t r[4];
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const float* d = dp[mt][t + (j >> 1)] + 2 * (j & 1);
+                r[j] = E::pack(d[0], d[1]);
+              }
+              stsm_x4_t(smem_u32(sB + transposed_row(mt, t)), r);
+            }
         } else {
           T* dbg = static_cast<T*>(p.dbias);
 #pragma unroll
@@ -704,6 +743,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         if (tid == 0) bulk_wait_read();  // the dQ stage was read
       }
       __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
+      if (db_staged) {
+        store_padded_tile<BM, BN, Tr::kBiasPitch, NT>(
+            static_cast<T*>(p.dbias) + pp.dbias_entry + static_cast<int64_t>(m0) * dop.row_stride +
+                n0,
+            dop.row_stride, sB, L.q_len - m0, L.kv_len - n0, tid);
+        // one stage: the next block's bias loads into this tile right below
+        if constexpr (kStages == 1 && kEarlyB) __syncthreads();
+      }
 
       // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q (unless started above) -------------
       if constexpr (Tr::kWgmma && !kEarlyB) {
@@ -960,8 +1007,9 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 }  // namespace detail
 
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
-// trap (they are never launched there: launch_template.cuh picks tiles by device).
-template <typename Tr, typename T>
+// trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
+// call has a bias (without, none of the bias and dbias code takes registers from the GEMMs).
+template <typename Tr, typename T, bool kBias>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__)
@@ -973,7 +1021,7 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   if constexpr (!kCompiled) {
     __trap();
   } else {
-    detail::bwd_main<Tr, T>(p);
+    detail::bwd_main<Tr, T, kBias>(p);
   }
 }
 

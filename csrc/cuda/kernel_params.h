@@ -94,6 +94,9 @@ struct BwdParams {
   // Direct full-size dbias without sequence lengths: zeros only where the main kernel computes
   // nothing (bwd_zero_dbias), not a memset of all of dbias.
   bool dbias_fill;
+  // Direct full-size dbias whose rows and key blocks split into 16-byte chunks: the main kernel
+  // stores whole tiles of it from shared memory.
+  bool dbias_staged;
   // Bias addressing for dbias (strides of the dbias operand; equal to the bias's).
   BroadcastOperand dbias_op;
 

@@ -89,6 +89,28 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// Stores four 8 x 8 matrices of 16-bit elements transposed: r[j] holds this thread's pair of
+// matrix j in the mma fragment layout (row lane / 4, columns 2 (lane % 4), +1), and lane l gives
+// the shared address of the 16-byte row l % 8 of destination matrix l / 8, which receives
+// column l % 8 of the fragment. sm_80 has no stmatrix: its stores are spelled out.
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
+               ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+#else
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t row = __shfl_sync(0xffffffffu, addr, 8 * j + 2 * (lane & 3) + k);
+      const uint16_t x = static_cast<uint16_t>(r[j] >> (16 * k));
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(row + 2 * (lane >> 2)), "h"(x));
+    }
+  }
+#endif
+}
+
 // 16-byte async copy; bytes beyond src_bytes (0..16) are zero-filled and never read.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -235,6 +257,26 @@ __device__ __forceinline__ void store_tile(T* gmem, const T* smem, int64_t row_s
     if (r < valid_rows) {
       const uint4 v = *reinterpret_cast<const uint4*>(smem + Tile::off(r, c));
       *reinterpret_cast<uint4*>(gmem + r * row_stride + c) = v;
+    }
+  }
+}
+
+// Stores rows [0, valid_rows) x columns [0, valid_cols) of a ROWS x COLS shared tile of 16-bit
+// elements (row pitch PITCH) to a row-major matrix, in 16-byte chunks: valid_cols, row_stride and
+// the address of gmem must allow them.
+template <int ROWS, int COLS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void store_padded_tile(T* gmem, int64_t row_stride, const T* smem,
+                                                  int valid_rows, int valid_cols, int tid) {
+  static_assert(sizeof(T) == 2 && COLS % 8 == 0 && PITCH % 8 == 0, "16-byte chunks");
+  constexpr int kChunksPerRow = COLS / 8;
+  static_assert(ROWS * kChunksPerRow % NT == 0, "tile chunks must divide among the threads");
+#pragma unroll
+  for (int i = 0; i < ROWS * kChunksPerRow / NT; ++i) {
+    const int id = tid + i * NT;
+    const int r = id / kChunksPerRow, c = (id % kChunksPerRow) * 8;
+    if (r < valid_rows && c < valid_cols) {
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + c) =
+          *reinterpret_cast<const uint4*>(smem + r * PITCH + c);
     }
   }
 }

@@ -330,6 +330,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     } else {
       p.dbias_mode = kDbiasDirect;
       p.dbias_fill = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
+      p.dbias_staged = p.dbias_fill && p.dbias_op.row_stride % 8 == 0 &&
+                       shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }
   }
 

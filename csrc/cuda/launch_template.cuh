@@ -196,7 +196,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
 
   // 3. main kernel: dk, dv, dbias (and dq through atomics)
   {
-    auto kernel = bwd_kernel<Tr, T>;
+    auto kernel = p.bias != nullptr ? bwd_kernel<Tr, T, true> : bwd_kernel<Tr, T, false>;
     const int smem = Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
