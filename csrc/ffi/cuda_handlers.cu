@@ -55,20 +55,15 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
 
 ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
                        ffi::ResultBuffer<ffi::U8> map) {
-  const auto md = mask.dimensions(), cd = map->dimensions();
-  const size_t rank = md.size();
-  int64_t entries = 1;
-  bool ok = rank >= 2 && cd.size() == rank;
-  for (size_t d = 0; ok && d < rank; ++d) {
-    const bool cell_dim = d + 2 >= rank;
-    ok = cd[d] == (cell_dim ? (md[d] + kMaskMapCell - 1) / kMaskMapCell : md[d]);
-    if (!cell_dim) entries *= md[d];
-  }
-  if (!ok) {
+  const auto md = mask.dimensions();
+  if (!IsMaskMapOf(map->dimensions(), md)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: mask_map takes a mask [..., R, C] and returns uint8 "
                       "[..., ceil(R / 64), ceil(C / 64)]");
   }
+  const size_t rank = md.size();
+  int64_t entries = 1;
+  for (size_t d = 0; d + 2 < rank; ++d) entries *= md[d];
   return CudaStatus(cuda::BuildMaskBlockMap(mask.typed_data(), entries, md[rank - 2],
                                             md[rank - 1], map->typed_data(), stream),
                     "mask_map");

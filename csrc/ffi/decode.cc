@@ -174,19 +174,12 @@ ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, Attentio
 }
 
 // The optional operands shared by forward and backward.
-// The CUDA mask block map, uint8 [..mask's leading dims, ceil(R / cell), ceil(C / cell)] for a
-// mask [..., R, C].
 ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t** out) {
-  const auto md = mask.dimensions(), cd = map.dimensions();
-  bool ok = map.element_type() == ffi::DataType::U8 && cd.size() == md.size();
-  for (size_t d = 0; ok && d < md.size(); ++d) {
-    const bool cell_dim = d + 2 >= md.size();
-    ok = cd[d] == (cell_dim ? (md[d] + kMaskMapCell - 1) / kMaskMapCell : md[d]);
-  }
-  if (!ok) {
+  if (map.element_type() != ffi::DataType::U8 ||
+      !IsMaskMapOf(map.dimensions(), mask.dimensions())) {
     return Invalid("mask_map must be uint8 of the mask's dims with its last two divided by " +
                    std::to_string(kMaskMapCell) + " (rounded up), got " +
-                   DimsString(cd) + " for mask " + DimsString(md));
+                   DimsString(map.dimensions()) + " for mask " + DimsString(mask.dimensions()));
   }
   *out = static_cast<const uint8_t*>(map.untyped_data());
   return ffi::Error::Success();
@@ -438,6 +431,15 @@ ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer slots, ffi::AnyB
   p->spans = static_cast<const int32_t*>(spans.untyped_data());
   p->out = out.untyped_data();
   return ffi::Error::Success();
+}
+
+bool IsMaskMapOf(ffi::AnyBuffer::Dimensions map, ffi::AnyBuffer::Dimensions mask) {
+  if (mask.size() < 2 || map.size() != mask.size()) return false;
+  for (size_t d = 0; d < mask.size(); ++d) {
+    const bool cell_dim = d + 2 >= mask.size();
+    if (map[d] != (cell_dim ? (mask[d] + kMaskMapCell - 1) / kMaskMapCell : mask[d])) return false;
+  }
+  return true;
 }
 
 }  // namespace dmattn

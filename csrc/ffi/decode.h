@@ -48,6 +48,10 @@ xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
                                const xla::ffi::RemainingRets& rets, const AttentionAttrs& attrs,
                                AttentionShape* shape, BackwardArgs* ptrs);
 
+// True when `map` has the dims of the CUDA mask block map (cuda/attention.h) of a mask with dims
+// `mask`: the same, the last two divided by kMaskMapCell and rounded up.
+bool IsMaskMapOf(xla::ffi::AnyBuffer::Dimensions map, xla::ffi::AnyBuffer::Dimensions mask);
+
 // The listed-keys gradient sum (common/params.h, ListedKeysShape): args grad, slots, spans;
 // ret out.
 xla::ffi::Error DecodeListedKeys(xla::ffi::AnyBuffer grad, xla::ffi::AnyBuffer slots,
