@@ -17,8 +17,9 @@ namespace dmattn {
 
 // vmap adds leading batch dims; the FFI layer accepts up to this many after merging neighbours.
 constexpr int kMaxBatchDims = 4;
-// Platform workspaces a call may carry after its results.
-constexpr int kMaxWorkspaces = 3;
+// Platform workspaces a call may carry after its results (CUDA backward: dq and dbias
+// accumulators).
+constexpr int kMaxWorkspaces = 2;
 // Rows and columns of one cell of the CUDA kernels' mask block map (cuda/attention.h).
 constexpr int kMaskMapCell = 64;
 

@@ -173,7 +173,7 @@ ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, Attentio
   return ffi::Error::Success();
 }
 
-// The optional operands shared by forward and backward.
+// The CUDA kernels' mask block map of `mask`, checked against its dims.
 ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t** out) {
   if (map.element_type() != ffi::DataType::U8 ||
       !IsMaskMapOf(map.dimensions(), mask.dimensions())) {
@@ -185,6 +185,7 @@ ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t*
   return ffi::Error::Success();
 }
 
+// The optional operands shared by forward and backward (the mask map last, after a mask).
 ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
                                   ffi::DataType dtype, AttentionShape* s, const bool** mask,
                                   const void** bias, const int32_t** q_lens,
