@@ -183,12 +183,12 @@ def call_sum_listed_keys(grad, slots, spans):
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
-# slots are fixed (forward: split-KV partials; backward: dq accumulator, dbias accumulator), so an
-# unused one still takes a single element.
+# slots are fixed (forward: query-block order and split-KV partials; backward: dq accumulator,
+# dbias accumulator), so an unused one still takes a single element.
 
 
 def _cuda_forward_workspaces(arg_shapes, result_shapes):
-    n = _extension().cuda_forward_split_bytes(arg_shapes[0], arg_shapes[1])
+    n = _extension().cuda_forward_workspace_bytes(arg_shapes[0], arg_shapes[1])
     return [((max(n, 1),), np.uint8)]
 
 

@@ -82,6 +82,24 @@ def test_split_kv(case):
     check_case(case, IMPL)
 
 
+# Grids of more than two waves on an H200 (132 SMs) whose mask varies over queries and keys: the
+# forward runs each (batch, head)'s query blocks heaviest first (csrc/cuda/fwd_order.cuh).
+ORDER_CASES = [
+    Case(B=2, Lq=1100, Lk=600, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
+         mask=("B", "1", "Lq", "Lk"), mask_kind="blocks", bias=("1", "H", "1", "Lk")),
+    Case(B=2, Lq=1100, Lk=900, H=8, Hk=8, D=128, dtype="float16", front_end="dpa",
+         q_lens=(1100, 700), kv_lens=(800, 900), mask=("B", "H", "Lq", "Lk"),
+         mask_kind="blocks"),
+]
+
+
+@pytest.mark.parametrize("case", ORDER_CASES, ids=cases_ids(ORDER_CASES))
+def test_block_order(case):
+    query_blocks = -(-case.Lq // 64) * case.B * case.H  # the D=128 forward's 64-row blocks
+    assert query_blocks > 2 * 132, query_blocks
+    check_case(case, IMPL)
+
+
 def test_default_implementation_uses_cuda():
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
     text = jax.jit(lambda q: flash_dmattn(q, q, q)).lower(q).as_text()

@@ -19,7 +19,8 @@ cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, i
 
 // Launches the forward on `stream`; never synchronises. Returns the first CUDA error seen.
 // args.mask_map: the mask's block map (with a mask);
-// args.workspace[0]: split-KV partial results, ForwardSplitWorkspaceBytes(shape) bytes.
+// args.workspace[0]: ForwardWorkspaceBytes(shape) bytes for the order of the query blocks and
+// the split-KV partial results.
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream);
 
 // Launches the backward on `stream`; args.mask_map as in Forward, args.workspace[0] is an fp32
@@ -32,8 +33,9 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
 int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape);
 
 // Key splits the forward runs in parallel for this shape on the current device (1: none; more
-// for grids too small to fill the GPU, e.g. decoding), and the bytes of their partial results.
+// for grids too small to fill the GPU, e.g. decoding), and the bytes of the forward's workspace
+// (the query-block order and the splits' partial results).
 int64_t ForwardSplits(const AttentionShape& shape);
-int64_t ForwardSplitWorkspaceBytes(const AttentionShape& shape);
+int64_t ForwardWorkspaceBytes(const AttentionShape& shape);
 
 }  // namespace dmattn::cuda

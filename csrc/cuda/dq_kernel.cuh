@@ -90,20 +90,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
                          : nullptr;
   const int valid_q = L.q_len - m0;
 
-  int n_lo = 0, n_hi = 0;
-  {
-    const int row_last = min(m0 + BM, L.q_len) - 1;
-    if (row_last >= m0 && L.kv_len > 0) {
-      int64_t lo = static_cast<int64_t>(m0) + band.dmin;
-      int64_t hi = static_cast<int64_t>(row_last) + band.dmax + 1;
-      lo = lo < 0 ? 0 : lo;
-      hi = hi > L.kv_len ? L.kv_len : hi;
-      if (hi > lo) {
-        n_lo = static_cast<int>(lo / BN);
-        n_hi = static_cast<int>((hi + BN - 1) / BN);
-      }
-    }
-  }
+  const BlockRange visible = visible_key_blocks<BM, BN>(L, band, m0);
+  const int n_lo = visible.lo, n_hi = visible.hi;
 
   auto load_mask = [&](int n) {
     load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(

@@ -1,4 +1,6 @@
 // Forward kernel: FlashAttention-2 style, one CTA per (key split, query block, head, batch).
+// A (batch, head)'s query blocks start from the last one (the most keys under causality), or in
+// the order of fwd_order.cuh (most non-empty tiles first) when the mask varies over both axes.
 //
 // Per key block n (walked from the last visible block down to the first):
 //   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)
@@ -187,8 +189,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   const int64_t bid = blockIdx.x;
   const int split = static_cast<int>(bid % p.num_splits);
   const int64_t tile = bid / p.num_splits;
-  const int m_block = p.m_blocks - 1 - static_cast<int>(tile % p.m_blocks);
+  const int rank = static_cast<int>(tile % p.m_blocks);
   const int64_t bh = tile / p.m_blocks;
+  const int m_block = p.block_order != nullptr ? p.block_order[bh * p.m_blocks + rank]
+                                               : p.m_blocks - 1 - rank;
   const int h = static_cast<int>(bh % H);
   const int64_t b = bh / H;
   const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
@@ -215,23 +219,11 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   const int valid_q = L.q_len - m0;  // rows of this block that exist for this batch
 
   // Key-block range from lengths and the diagonal window alone.
-  int n_lo = 0, n_hi = 0;
-  {
-    const int row_last = min(m0 + BM, L.q_len) - 1;
-    if (row_last >= m0 && L.kv_len > 0) {
-      int64_t lo = static_cast<int64_t>(m0) + band.dmin;
-      int64_t hi = static_cast<int64_t>(row_last) + band.dmax + 1;
-      lo = lo < 0 ? 0 : lo;
-      hi = hi > L.kv_len ? L.kv_len : hi;
-      if (hi > lo) {
-        n_lo = static_cast<int>(lo / BN);
-        n_hi = static_cast<int>((hi + BN - 1) / BN);
-      }
-    }
-    if (p.num_splits > 1) {
-      n_lo = max(n_lo, split * p.split_blocks);
-      n_hi = min(n_hi, (split + 1) * p.split_blocks);
-    }
+  const BlockRange visible = visible_key_blocks<BM, BN>(L, band, m0);
+  int n_lo = visible.lo, n_hi = visible.hi;
+  if (p.num_splits > 1) {
+    n_lo = max(n_lo, split * p.split_blocks);
+    n_hi = min(n_hi, (split + 1) * p.split_blocks);
   }
 
   auto load_mask = [&](int n) {

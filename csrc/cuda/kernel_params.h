@@ -36,6 +36,11 @@ struct FwdParams {
   bool out_f32;  // out is float32, else T
 
   int m_blocks;
+  // Null: each (batch, head) runs its query blocks from the last to the first. Else
+  // [batch_count * H, m_blocks]: the query block of each rank, heaviest first, written by the
+  // kernels of fwd_order.cuh before the forward reads it (block_weight: their scratch, as big).
+  int32_t* block_order;
+  int32_t* block_weight;
   // Split-KV when num_splits > 1: split s of a query block covers key blocks [s * split_blocks,
   // (s + 1) * split_blocks) and writes its normalised partial output and lse (fp32) to
   // o_partial [splits, B * H, Lq, D] and lse_partial [splits, B * H, Lq]; the combine kernel

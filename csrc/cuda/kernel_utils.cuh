@@ -402,6 +402,30 @@ __device__ __forceinline__ Band make_band(const AttentionShape& s) {
   return b;
 }
 
+// Key blocks [lo, hi) of width BN that the lengths and the band leave visible to some query row
+// of m0 .. m0 + BM - 1 (lo == hi when none).
+struct BlockRange {
+  int lo = 0;
+  int hi = 0;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ BlockRange visible_key_blocks(const SeqLens& L, const Band& band,
+                                                         int m0) {
+  BlockRange r;
+  const int row_last = min(m0 + BM, L.q_len) - 1;
+  if (row_last < m0 || L.kv_len <= 0) return r;
+  int64_t lo = static_cast<int64_t>(m0) + band.dmin;
+  int64_t hi = static_cast<int64_t>(row_last) + band.dmax + 1;
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > L.kv_len ? L.kv_len : hi;
+  if (hi > lo) {
+    r.lo = static_cast<int>(lo / BN);
+    r.hi = static_cast<int>((hi + BN - 1) / BN);
+  }
+  return r;
+}
+
 // ------------------------------------------------------------------------------------------
 // Loops over a warp's mma accumulator tiles [M][N][4], unrolled so that f sees constants
 // ------------------------------------------------------------------------------------------

@@ -99,6 +99,17 @@ int64_t SplitBytes(const AttentionShape& s) {
          static_cast<int64_t>(sizeof(float));
 }
 
+// Query blocks of the forward (of every batch and head).
+int64_t QueryBlocks(const AttentionShape& s) {
+  return s.batch_count() * s.num_heads * CeilDiv(s.seqlen_q, ForwardTile(s.head_dim).bm);
+}
+
+// Bytes of the forward's query-block order and its scratch (an int32 each per query block), in
+// whole 256-byte units so that the split partials after them stay aligned.
+int64_t BlockOrderBytes(const AttentionShape& s) {
+  return CeilDiv(2 * QueryBlocks(s) * static_cast<int64_t>(sizeof(int32_t)), 256) * 256;
+}
+
 template <int D>
 cudaError_t ForwardD(const AttentionShape& shape, const FwdParams& p, cudaStream_t stream) {
   if (shape.dtype == ElementType::kBFloat16) {
@@ -177,9 +188,9 @@ int64_t ForwardSplits(const AttentionShape& s) {
   return 1;
 }
 
-int64_t ForwardSplitWorkspaceBytes(const AttentionShape& shape) {
+int64_t ForwardWorkspaceBytes(const AttentionShape& shape) {
   const int64_t splits = ForwardSplits(shape);
-  return splits > 1 ? splits * SplitBytes(shape) : 0;
+  return BlockOrderBytes(shape) + (splits > 1 ? splits * SplitBytes(shape) : 0);
 }
 
 bool SupportsHeadDim(int64_t head_dim) {
@@ -239,15 +250,25 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   if (!p.bias) p.s.bias.present = false;
   if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
   p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
-  // The workspace was sized at trace time by the same rule; fewer splits if it came out smaller.
+  // The workspace ([block order][split partials]) was sized at trace time by the same rules;
+  // no order and fewer splits if it came out smaller.
+  auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
+  int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
+  const int64_t order_bytes = BlockOrderBytes(shape);
+  if (workspace_bytes >= order_bytes) {
+    p.block_order = reinterpret_cast<int32_t*>(workspace);
+    p.block_weight = p.block_order + QueryBlocks(shape);
+    workspace += order_bytes;
+    workspace_bytes -= order_bytes;
+  }
   const int64_t split_bytes = SplitBytes(shape);
   int64_t splits = ForwardSplits(shape);
-  if (split_bytes > 0 && splits * split_bytes > args.workspace_bytes[0]) {
-    splits = args.workspace[0] != nullptr ? args.workspace_bytes[0] / split_bytes : 1;
+  if (split_bytes > 0 && splits * split_bytes > workspace_bytes) {
+    splits = workspace_bytes / split_bytes;
   }
   p.num_splits = splits > 1 ? static_cast<int>(splits) : 1;
   if (p.num_splits > 1) {
-    p.o_partial = static_cast<float*>(args.workspace[0]);
+    p.o_partial = reinterpret_cast<float*>(workspace);
     p.lse_partial = p.o_partial + p.num_splits * shape.batch_count() * shape.num_heads *
                                       shape.seqlen_q * shape.head_dim;
   }

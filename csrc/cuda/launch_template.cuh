@@ -11,6 +11,7 @@
 #include "cuda/dq_kernel.cuh"
 #include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
+#include "cuda/fwd_order.cuh"
 #include "cuda/launch.h"
 
 namespace dmattn::cuda {
@@ -111,6 +112,23 @@ template <>
 cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
 #endif
 
+// Heaviest query blocks first (fwd_order.cuh) where a mask varying over queries and keys makes
+// their work uneven and the forward's `ctas` run in more than one wave; else plain order.
+template <typename Tr>
+cudaError_t OrderQueryBlocks(FwdParams& p, int64_t ctas, cudaStream_t stream) {
+  if (p.block_order == nullptr || p.mask_map.rows <= 1 || p.mask_map.cols <= 1 ||
+      p.m_blocks <= 1 || ctas <= 2 * static_cast<int64_t>(MultiProcessors())) {
+    p.block_order = nullptr;
+    return cudaSuccess;
+  }
+  const int64_t heads = p.s.batch_count() * p.s.num_heads;
+  const int64_t weight_ctas = (heads * p.m_blocks + kWeightWarps - 1) / kWeightWarps;
+  fwd_block_weight_kernel<Tr::BM, Tr::BN>
+      <<<static_cast<unsigned>(weight_ctas), kWeightWarps * 32, 0, stream>>>(p);
+  fwd_block_order_kernel<Tr::BM><<<static_cast<unsigned>(heads), kOrderThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename Tr, typename T>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
@@ -121,6 +139,7 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   const int64_t blocks =
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
+  if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   auto kernel = fwd_kernel<Tr, T>;
   if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).

@@ -124,13 +124,13 @@ dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::ve
   return shape;
 }
 
-// Key splits of the CUDA forward on the current device, and the bytes of their partial results
-// (forward workspace 0).
+// Key splits of the CUDA forward on the current device, and the bytes of its workspace 0 (the
+// query-block order and the splits' partial results).
 int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
   return dmattn::cuda::ForwardSplits(ForwardShape(q, k));
 }
-int64_t CudaForwardSplitBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
-  return dmattn::cuda::ForwardSplitWorkspaceBytes(ForwardShape(q, k));
+int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
+  return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k));
 }
 #endif
 
@@ -146,7 +146,7 @@ NB_MODULE(_dmattn, m) {
         "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
-  m.def("cuda_forward_split_bytes", &CudaForwardSplitBytes, "q"_a, "k"_a,
-        "Bytes of the CUDA forward's split-KV partial results.");
+  m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
+        "Bytes of the CUDA forward's workspace (query-block order, split-KV partials).");
 #endif
 }

@@ -517,9 +517,9 @@ float MeanMs(Launch launch, int reps) {
   return ms / reps;
 }
 
-// `splits`: give the forward its split-KV workspace (without it, it runs unsplit).
+// `workspace`: give the forward its workspace (without it, it runs unsplit and in plain order).
 FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps,
-                        bool splits = true) {
+                        bool workspace = true) {
   const AttentionShape& s = P.s;
   FwdOut f;
   f.out = Poisoned(P.q_elems * 2);
@@ -535,9 +535,9 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.kv_lens = in.kl;
   fa.out = f.out;
   fa.lse = f.lse;
-  const int64_t split_bytes = splits ? dmattn::cuda::ForwardSplitWorkspaceBytes(s) : 0;
-  fa.workspace[0] = split_bytes > 0 ? Poisoned(split_bytes) : nullptr;
-  fa.workspace_bytes[0] = split_bytes;
+  const int64_t workspace_bytes = workspace ? dmattn::cuda::ForwardWorkspaceBytes(s) : 0;
+  fa.workspace[0] = workspace_bytes > 0 ? Poisoned(workspace_bytes) : nullptr;
+  fa.workspace_bytes[0] = workspace_bytes;
   CK(dmattn::cuda::Forward(s, fa, 0));
   CK(cudaDeviceSynchronize());
   if (ms) *ms = MeanMs([&] { CK(dmattn::cuda::Forward(s, fa, 0)); }, reps);
@@ -815,6 +815,13 @@ std::vector<Case> AllCases() {
     add(c);
   }
   {
+    // more query blocks than two waves: the forward ranks them by their non-empty tiles
+    Case c; c.name = "ordered_q1100_k300_d128_mask_seqlens"; c.batch = {2}; c.H = 8; c.Hk = 2;
+    c.Lq = 1100; c.Lk = 300; c.D = 128; c.causal = true; c.seqlens = true;
+    c.q_lens = {1100, 640}; c.kv_lens = {300, 257}; c.mask = Op({2}, 1, true, true);
+    c.mask_holes = true; add(c);
+  }
+  {
     Case c; c.name = "window_seqlens_d128"; c.batch = {2}; c.H = 2; c.Hk = 2; c.Lq = 400;
     c.Lk = 400; c.D = 128; c.window_left = 100; c.window_right = 20; c.seqlens = true;
     c.q_lens = {400, 150}; c.kv_lens = {380, 222}; add(c);
@@ -855,6 +862,12 @@ std::vector<Case> QuickCases() {
     // ... and without a mask (next block's tiles requested at the top of the iteration)
     Case c; c.name = "quick_q260_k130_d64_dense"; c.H = 2; c.Hk = 2; c.Lq = 260; c.Lk = 130;
     c.D = 64; v.push_back(c);
+  }
+  {
+    // more query blocks than two waves of CTAs: the forward's block order kernel
+    Case c; c.name = "quick_ordered_q1100_k192_d128_mask"; c.H = 16; c.Hk = 4; c.Lq = 1100;
+    c.Lk = 192; c.D = 128; c.mask = Op({1}, 16, true, true); c.mask_holes = true;
+    v.push_back(c);
   }
   return v;
 }
@@ -1184,7 +1197,7 @@ int main(int argc, char** argv) {
     Err eo = Compare16(o.out, R.out, P.dt);
     Err el = CompareLse(o.lse, R.lse);
     const int64_t splits = dmattn::cuda::ForwardSplits(P.s);
-    if (splits > 1) {  // the same forward unsplit: both paths must pass
+    {  // the same forward without its workspace (unsplit, plain order): both paths must pass
       DeviceOut o1;
       FwdOut f1 = RunForwardDevice(P, in, &o1, nullptr, 0, false);
       FreeFwd(f1);
