@@ -164,10 +164,9 @@ bool HopperKernels() {
 // SMs' CTA slots (two per SM); otherwise the smallest count whose waves are filled within 85 % of
 // the best count's, among counts that shorten the longest split.
 int64_t ForwardSplits(const AttentionShape& s) {
-  const FwdTile tile = ForwardTile(s.head_dim);
-  const int64_t ctas = CeilDiv(s.seqlen_q, tile.bm) * s.batch_count() * s.num_heads;
-  const int64_t key_blocks = CeilDiv(s.seqlen_k, tile.bn);
-  const int64_t slots = 2 * static_cast<int64_t>(MultiProcessors());
+  const int64_t ctas = QueryBlocks(s);
+  const int64_t key_blocks = CeilDiv(s.seqlen_k, ForwardTile(s.head_dim).bn);
+  const int64_t slots = ForwardSlots();
   if (ctas == 0 || 5 * ctas >= 4 * slots || key_blocks < 2) return 1;
   auto filled = [&](int64_t n) {
     const int64_t busy = ctas * n;

@@ -28,6 +28,9 @@ constexpr FwdTile ForwardTile(int64_t head_dim) {
 // Multiprocessors of the current device (132 when it cannot be queried).
 int MultiProcessors();
 
+// Forward CTAs that run at once: two per SM (the forward tiles' shared memory and registers).
+inline int64_t ForwardSlots() { return 2 * static_cast<int64_t>(MultiProcessors()); }
+
 // True when the current device is a Hopper GPU and this build holds sm_90a kernels (wgmma):
 // the backward then runs its warpgroup-shaped tiles.
 bool HopperKernels();

@@ -117,7 +117,7 @@ cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaSt
 template <typename Tr>
 cudaError_t OrderQueryBlocks(FwdParams& p, int64_t ctas, cudaStream_t stream) {
   if (p.block_order == nullptr || p.mask_map.rows <= 1 || p.mask_map.cols <= 1 ||
-      p.m_blocks <= 1 || ctas <= 2 * static_cast<int64_t>(MultiProcessors())) {
+      p.m_blocks <= 1 || ctas <= ForwardSlots()) {
     p.block_order = nullptr;
     return cudaSuccess;
   }
