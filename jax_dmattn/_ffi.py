@@ -184,7 +184,7 @@ def call_sum_listed_keys(grad, slots, spans):
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
 # slots are fixed (forward: query-block order and split-KV partials; backward: dq accumulator,
-# dbias accumulator), so an unused one still takes a single element.
+# then key-block order and dbias accumulator), so an unused one still takes a single element.
 
 
 def _cuda_forward_workspaces(arg_shapes, result_shapes):
@@ -200,12 +200,12 @@ def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> i
 
 def _cuda_backward_workspaces(opts, num_grads: int):
     def workspaces(arg_shapes, result_shapes):
-        n = 0
+        q, k, dk = arg_shapes[0], arg_shapes[1], result_shapes[1]
+        bias, dbias = [], []
         if opts.has_bias:
-            bias_shape = arg_shapes[7 + int(opts.has_mask)]
-            q, k = arg_shapes[0], arg_shapes[1]
-            dk, dbias = result_shapes[1], result_shapes[num_grads - 1]
-            n = _extension().cuda_dbias_workspace_elements(q, k, dk, bias_shape, dbias)
-        return [((max(n, 1),), np.float32)]
+            bias = arg_shapes[7 + int(opts.has_mask)]
+            dbias = result_shapes[num_grads - 1]
+        n = _extension().cuda_backward_workspace_bytes(q, k, dk, bias, dbias)
+        return [((max(n, 1),), np.uint8)]
 
     return workspaces

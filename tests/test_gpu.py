@@ -82,21 +82,40 @@ def test_split_kv(case):
     check_case(case, IMPL)
 
 
-# Grids of more than two waves on an H200 (132 SMs) whose mask varies over queries and keys: the
-# forward runs each (batch, head)'s query blocks heaviest first (csrc/cuda/fwd_order.cuh).
+# Grids of more than one wave on an H200 (132 SMs) whose mask varies over queries and keys and
+# whose CTAs may visit at least 32 tiles each: the forward runs each (batch, head)'s query blocks
+# heaviest first, the backward each (kv head, batch)'s key blocks (csrc/cuda/block_order.cuh).
 ORDER_CASES = [
-    Case(B=2, Lq=1100, Lk=600, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
+    Case(B=2, Lq=1100, Lk=4100, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
          mask=("B", "1", "Lq", "Lk"), mask_kind="blocks", bias=("1", "H", "1", "Lk")),
-    Case(B=2, Lq=1100, Lk=900, H=8, Hk=8, D=128, dtype="float16", front_end="dpa",
-         q_lens=(1100, 700), kv_lens=(800, 900), mask=("B", "H", "Lq", "Lk"),
+    Case(B=2, Lq=1100, Lk=4100, H=8, Hk=8, D=128, dtype="float16", front_end="dpa",
+         q_lens=(1100, 700), kv_lens=(3800, 4100), mask=("B", "H", "Lq", "Lk"),
          mask_kind="blocks"),
+    Case(B=2, Lq=1100, Lk=1100, H=16, Hk=8, D=128, dtype="bfloat16", causal=True,
+         mask=("B", "1", "Lq", "Lk"), mask_kind="blocks", bias=("B", "H", "Lq", "Lk")),
 ]
+
+
+def _ordered(case) -> tuple[bool, bool]:
+    """Whether the D=128 forward and backward order their blocks for `case` on an H200."""
+    def blocks(n, size):
+        return -(-n // size)
+    forward = (blocks(case.Lq, 64) * case.B * case.H > 2 * 132
+               and blocks(case.Lk, 128) >= 32)
+    narrow = blocks(case.Lk, 128) * case.B * case.Hk < 2 * 132  # the backward's 64-key tile
+    backward = (blocks(case.Lk, 64 if narrow else 128) * case.B * case.Hk > 132
+                and case.H // case.Hk * blocks(case.Lq, 64) >= 32)
+    return forward, backward
+
+
+def test_block_order_cases_cover_both_passes():
+    ordered = [_ordered(case) for case in ORDER_CASES]
+    assert any(f for f, _ in ordered) and any(b for _, b in ordered), ordered
 
 
 @pytest.mark.parametrize("case", ORDER_CASES, ids=cases_ids(ORDER_CASES))
 def test_block_order(case):
-    query_blocks = -(-case.Lq // 64) * case.B * case.H  # the D=128 forward's 64-row blocks
-    assert query_blocks > 2 * 132, query_blocks
+    assert any(_ordered(case)), case
     check_case(case, IMPL)
 
 

@@ -24,13 +24,14 @@ cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, i
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream);
 
 // Launches the backward on `stream`; args.mask_map as in Forward, args.workspace[0] is an fp32
-// dq accumulator shaped like q, args.workspace[1] an fp32 dbias accumulator of
-// BackwardDbiasWorkspaceElements(shape) elements.
+// dq accumulator shaped like q, args.workspace[1] BackwardWorkspaceBytes(shape) bytes for the
+// order of the key blocks and an fp32 dbias accumulator.
 cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream);
 
-// fp32 elements the backward needs in args.workspace[1] (0 when none): some dbias element then
-// receives contributions from more than one CTA (see DbiasNeedsWorkspace in launch.cu).
-int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape);
+// Bytes the backward needs in args.workspace[1]: the key-block order, then (when some dbias
+// element receives contributions from more than one CTA, see DbiasNeedsWorkspace in launch.cu)
+// an fp32 dbias accumulator.
+int64_t BackwardWorkspaceBytes(const AttentionShape& shape);
 
 // Key splits the forward runs in parallel for this shape on the current device (1: none; more
 // for grids too small to fill the GPU, e.g. decoding), and the bytes of the forward's workspace

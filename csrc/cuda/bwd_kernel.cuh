@@ -6,7 +6,9 @@
 //                    stay in shared memory; the CTA walks every (batch, query head) pair that
 //                    reads this kv slot (the GQA group and the batches dk/dv broadcast over) and
 //                    every visible query block of each, so dK/dV accumulate in registers with no
-//                    cross-CTA reduction. Per query block (all-false mask tiles skipped):
+//                    cross-CTA reduction. Key blocks run heaviest first (block_order.cuh)
+//                    under a mask that varies over queries and keys. Per query block
+//                    (all-false mask tiles skipped):
 //                      load     Q, dO, lse, D, bias of the next block (two stages: during this
 //                               one; one stage: during phase C), its mask tile during this one
 //                      phase A  S^T = K Q^T + bias^T/scale -> mask -> P = exp(S - lse) -> smem,
@@ -257,7 +259,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const int Hk = static_cast<int>(s.num_kv_heads);
   const int G = static_cast<int>(s.num_heads / s.num_kv_heads);
   const int64_t bid = blockIdx.x;
-  const int n_block = static_cast<int>(bid % p.n_blocks);
+  const int n_block = p.block_order ? p.block_order[bid] : static_cast<int>(bid % p.n_blocks);
   const int hk = static_cast<int>((bid / p.n_blocks) % Hk);
   const int64_t cls = bid / p.n_blocks / Hk;
   const int n0 = n_block * BN;

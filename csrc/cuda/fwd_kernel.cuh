@@ -1,6 +1,6 @@
 // Forward kernel: FlashAttention-2 style, one CTA per (key split, query block, head, batch).
 // A (batch, head)'s query blocks start from the last one (the most keys under causality), or in
-// the order of fwd_order.cuh (most non-empty tiles first) when the mask varies over both axes.
+// the order of block_order.cuh (most non-empty tiles first) when the mask varies over both axes.
 //
 // Per key block n (walked from the last visible block down to the first):
 //   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)

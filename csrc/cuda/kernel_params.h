@@ -38,7 +38,7 @@ struct FwdParams {
   int m_blocks;
   // Null: each (batch, head) runs its query blocks from the last to the first. Else
   // [batch_count * H, m_blocks]: the query block of each rank, heaviest first, written by the
-  // kernels of fwd_order.cuh before the forward reads it (block_weight: their scratch, as big).
+  // kernels of block_order.cuh before the forward reads it (block_weight: their scratch, as big).
   int32_t* block_order;
   int32_t* block_weight;
   // Split-KV when num_splits > 1: split s of a query block covers key blocks [s * split_blocks,
@@ -95,6 +95,10 @@ struct BwdParams {
   int64_t kv_members;
 
   int n_blocks;
+  // Null: each (kv head, class) runs its key blocks in order. Else [Hk * kv_classes, n_blocks]:
+  // the key block of each rank, heaviest first (block_order.cuh; block_weight: its scratch).
+  int32_t* block_order;
+  int32_t* block_weight;
   int dbias_mode;
   // Direct full-size dbias without sequence lengths: zeros only where the main kernel computes
   // nothing (bwd_zero_dbias), not a memset of all of dbias.

@@ -104,10 +104,19 @@ int64_t QueryBlocks(const AttentionShape& s) {
   return s.batch_count() * s.num_heads * CeilDiv(s.seqlen_q, ForwardTile(s.head_dim).bm);
 }
 
-// Bytes of the forward's query-block order and its scratch (an int32 each per query block), in
-// whole 256-byte units so that the split partials after them stay aligned.
-int64_t BlockOrderBytes(const AttentionShape& s) {
-  return CeilDiv(2 * QueryBlocks(s) * static_cast<int64_t>(sizeof(int32_t)), 256) * 256;
+// Key blocks of the backward (of every kv head and dk/dv class) on its narrowest tile.
+int64_t KeyBlocks(const AttentionShape& s) {
+  return CeilDiv(s.seqlen_k, kSmallestBackwardKeyBlock) * s.num_kv_heads * KvMembers(s).classes;
+}
+
+// Bytes of a block order and its scratch (an int32 each per block), in whole 256-byte units so
+// that the workspace after them stays aligned.
+int64_t BlockOrderBytes(int64_t blocks) {
+  return CeilDiv(2 * blocks * static_cast<int64_t>(sizeof(int32_t)), 256) * 256;
+}
+
+int64_t DbiasWorkspaceBytes(const AttentionShape& s) {
+  return DbiasNeedsWorkspace(s) ? s.dbias.num_elements * static_cast<int64_t>(sizeof(float)) : 0;
 }
 
 template <int D>
@@ -189,7 +198,7 @@ int64_t ForwardSplits(const AttentionShape& s) {
 
 int64_t ForwardWorkspaceBytes(const AttentionShape& shape) {
   const int64_t splits = ForwardSplits(shape);
-  return BlockOrderBytes(shape) + (splits > 1 ? splits * SplitBytes(shape) : 0);
+  return BlockOrderBytes(QueryBlocks(shape)) + (splits > 1 ? splits * SplitBytes(shape) : 0);
 }
 
 bool SupportsHeadDim(int64_t head_dim) {
@@ -218,8 +227,8 @@ bool SupportsHeadDim(int64_t head_dim) {
   }
 }
 
-int64_t BackwardDbiasWorkspaceElements(const AttentionShape& shape) {
-  return DbiasNeedsWorkspace(shape) ? shape.dbias.num_elements : 0;
+int64_t BackwardWorkspaceBytes(const AttentionShape& shape) {
+  return BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
@@ -253,7 +262,7 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   // no order and fewer splits if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
-  const int64_t order_bytes = BlockOrderBytes(shape);
+  const int64_t order_bytes = BlockOrderBytes(QueryBlocks(shape));
   if (workspace_bytes >= order_bytes) {
     p.block_order = reinterpret_cast<int32_t*>(workspace);
     p.block_weight = p.block_order + QueryBlocks(shape);
@@ -339,14 +348,27 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.kv_members = mem.members;
   p.kv_classes = mem.classes;
 
+  // Workspace 1 ([key-block order][dbias accumulator]) was sized at trace time by the same
+  // rules; no order if it came out smaller.
+  auto* workspace = static_cast<uint8_t*>(args.workspace[1]);
+  int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
+  const int64_t dbias_bytes = p.bias != nullptr && args.dbias != nullptr ? DbiasWorkspaceBytes(shape) : 0;
+  const int64_t order_bytes = BlockOrderBytes(KeyBlocks(shape));
+  if (workspace_bytes >= order_bytes + dbias_bytes) {
+    p.block_order = reinterpret_cast<int32_t*>(workspace);
+    p.block_weight = p.block_order + KeyBlocks(shape);
+    workspace += order_bytes;
+    workspace_bytes -= order_bytes;
+  }
+
   p.dbias_mode = kDbiasNone;
   if (p.bias != nullptr && args.dbias != nullptr) {
     p.dbias_op = shape.dbias;
     l.dbias_elems = p.dbias_op.num_elements;
-    if (DbiasNeedsWorkspace(shape)) {
+    if (dbias_bytes > 0) {
       p.dbias_mode = kDbiasAtomic;
-      p.dbias_accum = static_cast<float*>(args.workspace[1]);
-      if (p.dbias_accum == nullptr) return cudaErrorInvalidValue;
+      p.dbias_accum = reinterpret_cast<float*>(workspace);
+      if (workspace == nullptr || workspace_bytes < dbias_bytes) return cudaErrorInvalidValue;
     } else {
       p.dbias_mode = kDbiasDirect;
       p.dbias_fill = p.dbias_op.row_stride != 0 && !shape.has_seqlens;

@@ -31,6 +31,9 @@ int MultiProcessors();
 // Forward CTAs that run at once: two per SM (the forward tiles' shared memory and registers).
 inline int64_t ForwardSlots() { return 2 * static_cast<int64_t>(MultiProcessors()); }
 
+// The narrowest key block of any backward tile: it sizes the key-block order's workspace.
+constexpr int kSmallestBackwardKeyBlock = 64;
+
 // True when the current device is a Hopper GPU and this build holds sm_90a kernels (wgmma):
 // the backward then runs its warpgroup-shaped tiles.
 bool HopperKernels();

@@ -7,11 +7,11 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "cuda/block_order.cuh"
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/dq_kernel.cuh"
 #include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
-#include "cuda/fwd_order.cuh"
 #include "cuda/launch.h"
 
 namespace dmattn::cuda {
@@ -29,6 +29,9 @@ struct FwdConfig {
 // its group). Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTiles {
+  static_assert(Main::BN >= kSmallestBackwardKeyBlock &&
+                    NarrowTile::BN >= kSmallestBackwardKeyBlock,
+                "the key-block order's workspace (BackwardWorkspaceBytes) counts such blocks");
   using Traits = Main;
   using Narrow = NarrowTile;
   using DqTraits = DqTraits<D, 64, 64, 4>;
@@ -112,20 +115,43 @@ template <>
 cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
 #endif
 
-// Heaviest query blocks first (fwd_order.cuh) where a mask varying over queries and keys makes
-// their work uneven and the forward's `ctas` run in more than one wave; else plain order.
+// Heaviest query blocks first (block_order.cuh) where a mask varying over queries and keys makes
+// their work uneven, the forward's `ctas` run in more than one wave and one CTA may visit enough
+// tiles (kMinOrderedTiles) for its tail to outlast the ordering kernels; else plain order.
 template <typename Tr>
 cudaError_t OrderQueryBlocks(FwdParams& p, int64_t ctas, cudaStream_t stream) {
+  const int64_t key_tiles = (p.s.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (p.block_order == nullptr || p.mask_map.rows <= 1 || p.mask_map.cols <= 1 ||
-      p.m_blocks <= 1 || ctas <= ForwardSlots()) {
+      p.m_blocks <= 1 || ctas <= ForwardSlots() || key_tiles < kMinOrderedTiles) {
     p.block_order = nullptr;
     return cudaSuccess;
   }
-  const int64_t heads = p.s.batch_count() * p.s.num_heads;
-  const int64_t weight_ctas = (heads * p.m_blocks + kWeightWarps - 1) / kWeightWarps;
+  const int64_t segments = p.s.batch_count() * p.s.num_heads;
+  const int64_t weight_ctas = (segments * p.m_blocks + kWeightWarps - 1) / kWeightWarps;
   fwd_block_weight_kernel<Tr::BM, Tr::BN>
       <<<static_cast<unsigned>(weight_ctas), kWeightWarps * 32, 0, stream>>>(p);
-  fwd_block_order_kernel<Tr::BM><<<static_cast<unsigned>(heads), kOrderThreads, 0, stream>>>(p);
+  const int64_t most_cells = static_cast<int64_t>(Tr::BM / kMaskMapCell) * p.mask_map.cols;
+  rank_blocks_kernel<kOrderBins><<<static_cast<unsigned>(segments), kOrderThreads, 0, stream>>>(
+      p.block_weight, p.block_order, p.m_blocks, most_cells);
+  return cudaGetLastError();
+}
+
+// The same for the backward's key blocks, whose CTAs (one per SM) run in more than one wave.
+template <typename Tr>
+cudaError_t OrderKeyBlocks(BwdParams& p, int64_t ctas, cudaStream_t stream) {
+  const int64_t pairs = p.kv_members * (p.s.num_heads / p.s.num_kv_heads);
+  const int64_t most_tiles = pairs * ((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
+  if (p.block_order == nullptr || p.mask_map.rows <= 1 || p.mask_map.cols <= 1 ||
+      p.n_blocks <= 1 || ctas <= MultiProcessors() || most_tiles < kMinOrderedTiles) {
+    p.block_order = nullptr;
+    return cudaSuccess;
+  }
+  const int64_t segments = ctas / p.n_blocks;
+  const int64_t weight_ctas = (ctas + kWeightWarps - 1) / kWeightWarps;
+  bwd_block_weight_kernel<Tr::BM, Tr::BN>
+      <<<static_cast<unsigned>(weight_ctas), kWeightWarps * 32, 0, stream>>>(p);
+  rank_blocks_kernel<kOrderBins><<<static_cast<unsigned>(segments), kOrderThreads, 0, stream>>>(
+      p.block_weight, p.block_order, p.n_blocks, most_tiles);
   return cudaGetLastError();
 }
 
@@ -214,6 +240,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   }
 
   // 3. main kernel: dk, dv, dbias (and dq through atomics)
+  if (cudaError_t e = OrderKeyBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   {
     auto kernel = p.bias != nullptr ? bwd_kernel<Tr, T, true> : bwd_kernel<Tr, T, false>;
     const int smem = Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);

@@ -93,22 +93,27 @@ void ThrowOnError(const xla::ffi::Error& e) {
   if (e.failure()) throw std::invalid_argument(e.message());
 }
 
-// fp32 elements of the CUDA backward's dbias accumulator (workspace 1) for a call with these
-// shapes; 0 when none is needed.
-int64_t CudaDbiasWorkspaceElements(std::vector<int64_t> q, std::vector<int64_t> k,
+// Bytes of the CUDA backward's workspace 1 (the key-block order, a dbias accumulator when one is
+// needed) for a call with these shapes; `bias` and `dbias` empty for a call without a bias.
+int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
                                    std::vector<int64_t> dbias) {
   ShapeOnlyBuffers b;
+  const bool has_bias = !bias.empty();
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16),
-             lseb = b.AddLse(q);
-  const dmattn::Buffers args = {qb, kb, kb, qb, qb, lseb, lseb, b.Add(bias, XLA_FFI_DataType_BF16)};
-  const auto dkb = b.Add(dk, XLA_FFI_DataType_BF16);
-  const dmattn::Buffers rets = {qb, dkb, dkb, b.Add(dbias, XLA_FFI_DataType_BF16), lseb};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, true, false, false};
+             lseb = b.AddLse(q), dkb = b.Add(dk, XLA_FFI_DataType_BF16);
+  dmattn::Buffers args = {qb, kb, kb, qb, qb, lseb, lseb};
+  dmattn::Buffers rets = {qb, dkb, dkb};
+  if (has_bias) {
+    args.push_back(b.Add(bias, XLA_FFI_DataType_BF16));
+    rets.push_back(b.Add(dbias, XLA_FFI_DataType_BF16));
+  }
+  rets.push_back(lseb);
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, has_bias, false, false};
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
   ThrowOnError(dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs));
-  return dmattn::cuda::BackwardDbiasWorkspaceElements(shape);
+  return dmattn::cuda::BackwardWorkspaceBytes(shape);
 }
 
 // The shape a CUDA forward call with these q and k shapes decodes to.
@@ -142,8 +147,9 @@ NB_MODULE(_dmattn, m) {
         "Handler capsules by platform: {platform: {target name: capsule}}.");
   m.def("build_info", &BuildInfo, "Facts about the compiled kernels.");
 #if defined(DMATTN_WITH_CUDA)
-  m.def("cuda_dbias_workspace_elements", &CudaDbiasWorkspaceElements, "q"_a, "k"_a, "dk"_a,
-        "bias"_a, "dbias"_a, "fp32 elements of the CUDA backward's dbias accumulator.");
+  m.def("cuda_backward_workspace_bytes", &CudaBackwardWorkspaceBytes, "q"_a, "k"_a, "dk"_a,
+        "bias"_a, "dbias"_a,
+        "Bytes of the CUDA backward's workspace 1 (key-block order, dbias accumulator).");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
