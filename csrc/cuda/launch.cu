@@ -352,7 +352,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   // rules; no order if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[1]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
-  const int64_t dbias_bytes = p.bias != nullptr && args.dbias != nullptr ? DbiasWorkspaceBytes(shape) : 0;
+  const bool has_dbias = p.bias != nullptr && args.dbias != nullptr;
+  const int64_t dbias_bytes = has_dbias ? DbiasWorkspaceBytes(shape) : 0;
   const int64_t order_bytes = BlockOrderBytes(KeyBlocks(shape));
   if (workspace_bytes >= order_bytes + dbias_bytes) {
     p.block_order = reinterpret_cast<int32_t*>(workspace);
@@ -362,7 +363,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   }
 
   p.dbias_mode = kDbiasNone;
-  if (p.bias != nullptr && args.dbias != nullptr) {
+  if (has_dbias) {
     p.dbias_op = shape.dbias;
     l.dbias_elems = p.dbias_op.num_elements;
     if (dbias_bytes > 0) {
