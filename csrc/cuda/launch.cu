@@ -115,6 +115,19 @@ int64_t BlockOrderBytes(int64_t blocks) {
   return CeilDiv(2 * blocks * static_cast<int64_t>(sizeof(int32_t)), 256) * 256;
 }
 
+// Where a pass's workspace starts with a block order ([order][scratch], BlockOrderBytes): takes
+// it from the front of `*workspace` (`*bytes` long) when `rest` bytes still fit after it, and
+// advances past it; else leaves `order` null, so that the pass runs its blocks in plain order.
+void TakeBlockOrder(int64_t blocks, int64_t rest, uint8_t** workspace, int64_t* bytes,
+                    int32_t** order, int32_t** weight) {
+  const int64_t order_bytes = BlockOrderBytes(blocks);
+  if (*workspace == nullptr || *bytes < order_bytes + rest) return;
+  *order = reinterpret_cast<int32_t*>(*workspace);
+  *weight = *order + blocks;
+  *workspace += order_bytes;
+  *bytes -= order_bytes;
+}
+
 int64_t DbiasWorkspaceBytes(const AttentionShape& s) {
   return DbiasNeedsWorkspace(s) ? s.dbias.num_elements * static_cast<int64_t>(sizeof(float)) : 0;
 }
@@ -262,13 +275,8 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   // no order and fewer splits if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
-  const int64_t order_bytes = BlockOrderBytes(QueryBlocks(shape));
-  if (workspace_bytes >= order_bytes) {
-    p.block_order = reinterpret_cast<int32_t*>(workspace);
-    p.block_weight = p.block_order + QueryBlocks(shape);
-    workspace += order_bytes;
-    workspace_bytes -= order_bytes;
-  }
+  TakeBlockOrder(QueryBlocks(shape), 0, &workspace, &workspace_bytes, &p.block_order,
+                 &p.block_weight);
   const int64_t split_bytes = SplitBytes(shape);
   int64_t splits = ForwardSplits(shape);
   if (split_bytes > 0 && splits * split_bytes > workspace_bytes) {
@@ -354,13 +362,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
   const bool has_dbias = p.bias != nullptr && args.dbias != nullptr;
   const int64_t dbias_bytes = has_dbias ? DbiasWorkspaceBytes(shape) : 0;
-  const int64_t order_bytes = BlockOrderBytes(KeyBlocks(shape));
-  if (workspace_bytes >= order_bytes + dbias_bytes) {
-    p.block_order = reinterpret_cast<int32_t*>(workspace);
-    p.block_weight = p.block_order + KeyBlocks(shape);
-    workspace += order_bytes;
-    workspace_bytes -= order_bytes;
-  }
+  TakeBlockOrder(KeyBlocks(shape), dbias_bytes, &workspace, &workspace_bytes, &p.block_order,
+                 &p.block_weight);
 
   p.dbias_mode = kDbiasNone;
   if (has_dbias) {

@@ -59,7 +59,8 @@ ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
   if (!IsMaskMapOf(map->dimensions(), md)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: mask_map takes a mask [..., R, C] and returns uint8 "
-                      "[..., ceil(R / 64), ceil(C / 64)]");
+                      "[..., ceil(R / cell), ceil(C / cell)], cell = " +
+                          std::to_string(kMaskMapCell));
   }
   const size_t rank = md.size();
   int64_t entries = 1;
