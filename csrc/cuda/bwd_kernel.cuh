@@ -431,7 +431,10 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     while (m <= m_last) {
       const int m0 = m * BM;
       cp_async_wait<0>();
-      if constexpr (Tr::kWgmma) fence_async_shared();
+      if constexpr (Tr::kWgmma) {
+        fence_async_shared();
+        bulk_wait_read();  // the previous block's dbias tile was read
+      }
       __syncthreads();  // block m's tiles (and K, V) visible; the other stage, P, dS free
       if constexpr (Tr::kWgmma) reduce_staged_dq();  // the previous block's
 
@@ -746,12 +749,24 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
       if (db_staged) {
-        store_padded_tile<BM, BN, Tr::kBiasPitch, NT>(
-            static_cast<T*>(p.dbias) + pp.dbias_entry + static_cast<int64_t>(m0) * dop.row_stride +
-                n0,
-            dop.row_stride, sB, L.q_len - m0, L.kv_len - n0, tid);
-        // one stage: the next block's bias loads into this tile right below
-        if constexpr (kStages == 1 && kEarlyB) __syncthreads();
+        T* dbg = static_cast<T*>(p.dbias) + pp.dbias_entry +
+                 static_cast<int64_t>(m0) * dop.row_stride + n0;
+        if constexpr (Tr::kWgmma) {
+          // one row per thread (two stages: the barrier at the top of the loop waits for the
+          // reads, before the next load into this stage)
+          if (tid < min(BM, L.q_len - m0)) {
+            bulk_store(dbg + tid * dop.row_stride, sB + tid * Tr::kBiasPitch,
+                       min(BN, L.kv_len - n0) * 2);
+            bulk_commit();
+          }
+          if constexpr (kStages == 1) {  // the next block's bias loads into this tile below
+            bulk_wait_read();
+            if constexpr (kEarlyB) __syncthreads();
+          }
+        } else {
+          store_padded_tile<BM, BN, Tr::kBiasPitch, NT>(dbg, dop.row_stride, sB, L.q_len - m0,
+                                                        L.kv_len - n0, tid);
+        }
       }
 
       // ---------------- GEMMs: dV += P^T dO, dK += dS^T Q (unless started above) -------------
@@ -947,7 +962,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     fence_async_shared();
     __syncthreads();
     reduce_staged_dq();
-    if (tid == 0) bulk_wait_read();  // the stage is read before the CTA exits
+    bulk_wait_read();  // the dQ stage and dbias tiles are read before the CTA exits
   }
   cp_async_wait<0>();
   __syncthreads();

@@ -150,6 +150,14 @@ __device__ __forceinline__ void bulk_reduce_add(float* global, const float* shar
       "r"(smem_u32(shared)), "r"(bytes)
       : "memory");
 }
+
+// global[0, bytes) = shared[0, bytes) through the bulk-copy unit; the same rules.
+template <typename T>
+__device__ __forceinline__ void bulk_store(T* global, const T* shared, int bytes) {
+  DMATTN_SM90A_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global),
+                   "r"(smem_u32(shared)), "r"(bytes)
+                   : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
   DMATTN_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
 }

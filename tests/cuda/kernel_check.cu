@@ -1071,6 +1071,12 @@ void Bench(bool variants, const std::string& only) {
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
+  {
+    // the JAX bias + mask suite's mask: every element kept with p = 0.5 (no tile is all true)
+    Case c = mk("b4h", 4, 16, 16, 4096, 128, true, true, false);
+    c.mask_density = 0.5f;
+    benches.push_back({"bias+mask[B,H,L,L] 50% d128 L4k B4 H16 causal", c, 0});
+  }
   benches.push_back({"per-key bias, mask[B,Hk,L,L] d128 L16k H2 Hk1 causal", mk("b5", 1, 2, 1, 16384, 128, true, false, true), 0});
   {
     // dynamic_attention's small problems at L16k W1024: 32 query blocks of 512 rows, 1536 keys
