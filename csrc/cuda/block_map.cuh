@@ -1,7 +1,7 @@
 // Reading the mask block map (kernel_params.h: MaskBlockMap) inside the attention kernels.
 //
-// Finding the next non-empty tile costs a few cached byte loads, looked ahead 32 tiles at a time
-// by each warp, instead of loading and OR-reducing every mask tile in turn (one memory round trip
+// Finding the next non-empty tile costs a few cached byte loads per 32 tiles, looked ahead by
+// each warp, instead of loading and OR-reducing every mask tile in turn (one memory round trip
 // and two barriers per empty tile). Every warp computes the same answer from the same bytes, so
 // the walk stays CTA-uniform without a barrier.
 #pragma once
@@ -43,50 +43,91 @@ struct MaskMapView {
   }
 };
 
-// The first tile t, t + step, ... before `end` (exclusive; step is +1 or -1) whose
-// flags_of(tile) has kTileAny; `end` when there is none. *flags receives its flags.
-template <typename FlagsOf>
-__device__ __forceinline__ int next_active_tile(int t, int step, int end, FlagsOf flags_of,
-                                                int* flags) {
-  const int lane = threadIdx.x & 31;
-  for (; step > 0 ? t < end : t > end; t += 32 * step) {
-    const int mine = t + lane * step;
-    const int f = (step > 0 ? mine < end : mine > end) ? flags_of(mine) : 0;
-    const unsigned hit = __ballot_sync(0xffffffffu, (f & kTileAny) != 0);
-    if (hit) {
-      const int first = __ffs(hit) - 1;
-      *flags = __shfl_sync(0xffffffffu, f, first);
-      return t + first * step;
+// Walks the tiles t, t + kStep, ... before `end` of one row or column of tiles in order and
+// finds the next one with a visible mask element. A warp loads the flags of 32 tiles at once
+// and keeps them (each lane its own tile's flags, and which of the 32 have any visible
+// element), so a walk waits for the map once per 32 tiles instead of at every step. Without a
+// mask every tile is visible.
+template <int kStep, typename FlagsOf>
+class TileWalk {
+  static_assert(kStep == 1 || kStep == -1, "walks go one tile at a time");
+
+ public:
+  __device__ __forceinline__ TileWalk(bool has_mask, FlagsOf flags_of, int end)
+      : flags_of_(flags_of), has_mask_(has_mask), end_(end), base_(end) {}
+
+  // The first tile at or after t (in walking order; t never goes back) that has kTileAny, with
+  // its flags in *flags; `end` (flags 0) when there is none.
+  __device__ __forceinline__ int next(int t, int* flags) {
+    if (!has_mask_) {
+      *flags = kTileAny | kTileAll;
+      return t;
     }
+    for (; before_end(t); t = base_ + 32 * kStep) {
+      int offset = (t - base_) * kStep;
+      if (offset < 0 || offset >= 32) {
+        load(t);
+        offset = 0;
+      }
+      const unsigned rest = any_ >> offset;
+      if (rest) {
+        const int first = offset + __ffs(rest) - 1;
+        *flags = __shfl_sync(0xffffffffu, mine_, first);
+        return base_ + first * kStep;
+      }
+    }
+    *flags = 0;
+    return end_;
   }
-  *flags = 0;
-  return end;
+
+ private:
+  __device__ __forceinline__ bool before_end(int t) const {
+    return kStep > 0 ? t < end_ : t > end_;
+  }
+  __device__ __forceinline__ void load(int t) {
+    base_ = t;
+    const int tile = t + static_cast<int>(threadIdx.x & 31) * kStep;
+    mine_ = before_end(tile) ? flags_of_(tile) : 0;
+    any_ = __ballot_sync(0xffffffffu, (mine_ & kTileAny) != 0);
+  }
+
+  FlagsOf flags_of_;
+  bool has_mask_;
+  int end_;
+  int base_;          // the first tile of the loaded window
+  unsigned any_ = 0;  // bit i: tile base_ + i kStep has kTileAny
+  int mine_ = 0;      // flags of tile base_ + lane kStep
+};
+
+// Flags of the BM x BN tiles of query rows m0.. (key block t) and of key columns n0.. (query
+// block t).
+template <int BM, int BN>
+struct KeyTileFlags {
+  MaskMapView map;
+  int m0;
+  __device__ __forceinline__ int operator()(int t) const { return map.tile<BM, BN>(m0, t * BN); }
+};
+template <int BM, int BN>
+struct QueryTileFlags {
+  MaskMapView map;
+  int n0;
+  __device__ __forceinline__ int operator()(int t) const { return map.tile<BM, BN>(t * BM, n0); }
+};
+
+// Key blocks n, n - 1, ... down to n_lo of the tiles of query rows m0.. (forward, dq kernel);
+// n_lo - 1 when none is left.
+template <int BM, int BN>
+__device__ __forceinline__ TileWalk<-1, KeyTileFlags<BM, BN>> key_block_walk(
+    const MaskMapView& map, bool has_mask, int m0, int n_lo) {
+  return TileWalk<-1, KeyTileFlags<BM, BN>>(has_mask, {map, m0}, n_lo - 1);
 }
 
-// The key block at or below n (down to n_lo) of the BM x BN tiles of query rows m0.. that has a
-// visible mask element, with its flags; n_lo - 1 when none. Without a mask: n, all true.
+// Query blocks m, m + 1, ... up to m_last of the tiles of key columns n0.. (backward); m_last +
+// 1 when none is left.
 template <int BM, int BN>
-__device__ __forceinline__ int next_key_block(const MaskMapView& map, bool has_mask, int m0,
-                                              int n, int n_lo, int* flags) {
-  if (!has_mask) {
-    *flags = kTileAny | kTileAll;
-    return n;
-  }
-  return next_active_tile(n, -1, n_lo - 1,
-                          [&](int t) { return map.tile<BM, BN>(m0, t * BN); }, flags);
-}
-
-// The query block at or above m (up to m_last) of the BM x BN tiles of key columns n0.. that has
-// a visible mask element, with its flags; m_last + 1 when none. Without a mask: m, all true.
-template <int BM, int BN>
-__device__ __forceinline__ int next_query_block(const MaskMapView& map, bool has_mask, int n0,
-                                                int m, int m_last, int* flags) {
-  if (!has_mask) {
-    *flags = kTileAny | kTileAll;
-    return m;
-  }
-  return next_active_tile(m, 1, m_last + 1,
-                          [&](int t) { return map.tile<BM, BN>(t * BM, n0); }, flags);
+__device__ __forceinline__ TileWalk<1, QueryTileFlags<BM, BN>> query_block_walk(
+    const MaskMapView& map, bool has_mask, int n0, int m_last) {
+  return TileWalk<1, QueryTileFlags<BM, BN>>(has_mask, {map, n0}, m_last + 1);
 }
 
 }  // namespace dmattn::cuda::detail

@@ -414,10 +414,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       cp_async_commit();
     };
-    const MaskMapView map(p.mask_map, s, b, h);
-    auto next_block = [&](int m, int* flags) {
-      return next_query_block<BM, BN>(map, has_mask, n0, m, m_last, flags);
-    };
+    auto walk =
+        query_block_walk<BM, BN>(MaskMapView(p.mask_map, s, b, h), has_mask, n0, m_last);
+    auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
 
     // First active query block; its mask tile (unless all true) loads with its other tiles.
     int flags;     // of block m
@@ -1007,11 +1006,11 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
   for (int64_t pi = 0; pi < p.kv_members * G; ++pi) {
     const int64_t b = batch_of(p, cls, pi / G);
     const int h = hk * G + static_cast<int>(pi % G);
-    const MaskMapView map(p.mask_map, s, b, h);
+    auto walk = query_block_walk<BM, BN>(MaskMapView(p.mask_map, s, b, h), p.mask != nullptr,
+                                         n0, m_last);
     T* cols = static_cast<T*>(p.dbias) + p.dbias_op.offset(s.batch, b, h) + n0;
     int from = 0, flags;
-    for (int m = next_query_block<BM, BN>(map, p.mask != nullptr, n0, m_first, m_last, &flags);;
-         m = next_query_block<BM, BN>(map, p.mask != nullptr, n0, m + 1, m_last, &flags)) {
+    for (int m = walk.next(m_first, &flags);; m = walk.next(m + 1, &flags)) {
       const int to = m <= m_last ? m * BM : Lq;
       zero_rows<kZeroThreads>(cols, p.dbias_op.row_stride, from, to, min(BN, Lk - n0),
                               threadIdx.x);
