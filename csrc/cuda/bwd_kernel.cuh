@@ -157,16 +157,17 @@ struct BwdTraits {
 };
 
 // The dq accumulator of wgmma tiles: [batch, H, Lq, D] fp32, the 16-byte chunks of row i XOR-ed
-// with i % 8, so that one query block of one head is contiguous (one bulk reduction from the
-// shared-memory stage, which has the same layout) and the stage's fragment stores are free of
-// bank conflicts. Other tiles accumulate in q's layout [batch, Lq, H, D].
+// with 2 (i % 4), so that one query block of one head is contiguous (one bulk reduction from the
+// shared-memory stage, which has the same layout) and the stage's 8-byte fragment stores are
+// free of bank conflicts (a half warp: rows i..i+3, two chunks each, eight distinct chunks; with
+// i % 8 two rows shared a chunk). Other tiles accumulate in q's layout [batch, Lq, H, D].
 struct StagedDq {
   __host__ __device__ static int64_t row(const AttentionShape& s, int64_t b, int64_t h) {
     return (b * s.num_heads + h) * s.seqlen_q;  // first row of (b, h)
   }
-  // Where column c of row i is stored within the row (only i % 8 matters).
+  // Where column c of row i is stored within the row (only i % 4 matters).
   __host__ __device__ static int column(int i, int c) {
-    return ((((c >> 2) ^ i) & 7) | ((c >> 2) & ~7)) * 4 + (c & 3);
+    return ((((c >> 2) ^ (i << 1)) & 7) | ((c >> 2) & ~7)) * 4 + (c & 3);
   }
 };
 
@@ -1119,9 +1120,9 @@ __global__ void bwd_dq_convert_staged(const __grid_constant__ BwdParams p, T* __
   const int64_t h = r % s.num_heads, i = (r / s.num_heads) % s.seqlen_q;
   const int64_t b = r / s.num_heads / s.seqlen_q;
   const float* row = p.dq_accum + (StagedDq::row(s, b, h) + i) * D;
-  const int i8 = static_cast<int>(i % 8);
-  const float4 a = *reinterpret_cast<const float4*>(row + StagedDq::column(i8, c));
-  const float4 e = *reinterpret_cast<const float4*>(row + StagedDq::column(i8, c + 4));
+  const int i4 = static_cast<int>(i % 4);
+  const float4 a = *reinterpret_cast<const float4*>(row + StagedDq::column(i4, c));
+  const float4 e = *reinterpret_cast<const float4*>(row + StagedDq::column(i4, c + 4));
   uint4 o;
   o.x = E::pack(a.x * s.scale, a.y * s.scale);
   o.y = E::pack(a.z * s.scale, a.w * s.scale);
