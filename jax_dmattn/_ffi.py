@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_dmattn.params import AttentionParams
+
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
 MASK_MAP_TARGET = "dmattn_mask_map"
@@ -115,7 +117,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     results = [(q.shape, opts.out_dtype(q.dtype)), ((*batch, heads, seqlen_q), np.float32)]
     workspaces = None
     if platform == "cuda":
-        extras = _with_mask_map(opts, extras)
+        extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
         workspaces = _cuda_forward_workspaces
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
@@ -132,7 +134,7 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     workspaces = [(lse.shape, np.float32)]  # softmax_d
     extra = None
     if platform == "cuda":
-        extras = _with_mask_map(opts, extras)
+        extras = _with_mask_map(params, opts, extras, q.shape[-3], k.shape[-3])
         workspaces.append((q.shape, np.float32))  # dq accumulator
         extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
@@ -140,20 +142,30 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     return outs[:len(grads)]
 
 
-def call_mask_map(mask):
+def call_mask_map(mask, params: AttentionParams | None = None):
     """The CUDA kernels' mask block map (csrc/cuda/attention.h): bool ``[..., R, C]`` -> uint8
-    ``[..., ceil(R / cell), ceil(C / cell)]``, one byte of flags per cell."""
+    ``[..., ceil(R / cell), ceil(C / cell)]``, one byte of flags per cell.
+
+    With `params` (only for a mask whose R and C are the query and key positions), the cells that
+    its causal / window rule hides from every query are left unread."""
     register_targets()
     cell = build_info()["mask_map_cell"]
     *lead, rows, cols = mask.shape
     result = jax.ShapeDtypeStruct((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
-    return jax.ffi.ffi_call(MASK_MAP_TARGET, result)(mask)
+    rule = params or AttentionParams(scale=1.0)
+    return jax.ffi.ffi_call(MASK_MAP_TARGET, result)(
+        mask, diagonal_offset=np.int64(rule.diagonal_offset),
+        window_left=np.int64(rule.window_left), window_right=np.int64(rule.window_right))
 
 
-def _with_mask_map(opts, extras: tuple) -> tuple:
+def _with_mask_map(params: AttentionParams, opts, extras: tuple, seqlen_q: int,
+                   seqlen_k: int) -> tuple:
     """The CUDA kernels' extra operands: the mask's block map after the others."""
     mask = opts.split(extras)[0]
-    return extras if mask is None else (*extras, call_mask_map(mask))
+    if mask is None:
+        return extras
+    full = mask.shape[-2:] == (seqlen_q, seqlen_k)  # neither queries nor keys broadcast
+    return (*extras, call_mask_map(mask, params if full else None))
 
 
 def call_topk_leave(key, window: int):

@@ -26,6 +26,7 @@ from conftest import (
 from test_conformance import BROADCAST_CASES, DPA_CASES, SHAPE_CASES, SPECIAL_CASES
 
 from jax_dmattn import _ffi, flash_dmattn
+from jax_dmattn.params import AttentionParams
 
 pytestmark = pytest.mark.gpu
 
@@ -123,6 +124,47 @@ def test_default_implementation_uses_cuda():
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
     text = jax.jit(lambda q: flash_dmattn(q, q, q)).lower(q).as_text()
     assert "dmattn_fwd" in text
+
+
+def _expected_map(mask: np.ndarray, params: AttentionParams, cell: int) -> np.ndarray:
+    """The mask map of csrc/cuda/attention.h: per cell kTileAny (1) | kTileAll (2) of its
+    elements, or kTileAll alone where the band rule of `params` hides the whole cell."""
+    *lead, rows, cols = mask.shape
+    out = np.zeros((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
+    i = np.arange(rows)[:, None]
+    j = np.arange(cols)[None, :]
+    in_band = np.ones((rows, cols), bool)
+    if params.window_left >= 0:
+        in_band &= j >= i + params.diagonal_offset - params.window_left
+    if params.window_right >= 0:
+        in_band &= j <= i + params.diagonal_offset + params.window_right
+    for r in range(out.shape[-2]):
+        for c in range(out.shape[-1]):
+            rs, cs = slice(r * cell, (r + 1) * cell), slice(c * cell, (c + 1) * cell)
+            if not in_band[rs, cs].any():
+                out[..., r, c] = 2
+                continue
+            part = mask[..., rs, cs].reshape(*lead, -1)
+            out[..., r, c] = np.where(part.any(-1), 1 | np.where(part.all(-1), 2, 0), 0)
+    return out
+
+
+@pytest.mark.parametrize("lq,lk,offset,left,right", [
+    (300, 450, 150, -1, 0),     # causal, Lq < Lk
+    (450, 200, -250, -1, 0),    # causal, Lq > Lk
+    (333, 333, 0, 100, 20),     # local window
+    (200, 330, 0, -1, -1),      # no band: every cell read
+])
+def test_mask_map_skips_cells_the_band_hides(lq, lk, offset, left, right):
+    cell = _ffi.build_info()["mask_map_cell"]
+    rng = np.random.default_rng(lq * lk + left)
+    mask = rng.random((2, 3, lq, lk)) < 0.5
+    mask[0, 0, :cell, :] = True   # whole cells all true
+    mask[1, 2, :, :cell] = False  # and all false
+    params = AttentionParams(scale=1.0, diagonal_offset=offset, window_left=left,
+                             window_right=right)
+    got = np.asarray(jax.jit(lambda m: _ffi.call_mask_map(m, params))(jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, _expected_map(mask, params, cell))
 
 
 def test_deterministic_gradients_bitwise():

@@ -14,8 +14,12 @@ bool SupportsHeadDim(int64_t head_dim);
 // x kMaskMapCell cell, [entries, ceil(rows / cell), ceil(cols / cell)], saying whether the cell
 // has a true element and whether all are true. The attention kernels read it (args.mask_map) to
 // skip hidden tiles; a forward and its backward share one.
+// `rule`'s diagonal / window rule (only diagonal_offset, window_left and window_right are read;
+// rows are query and cols key positions) hides some cells from every query: those are not read
+// but flagged kTileAll alone, which no tile test counts as visible nor as partly hidden. A mask
+// broadcast over queries or keys takes an unbounded rule (AttentionShape's defaults).
 cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, int64_t cols,
-                              uint8_t* cells, cudaStream_t stream);
+                              const AttentionShape& rule, uint8_t* cells, cudaStream_t stream);
 
 // Launches the forward on `stream`; never synchronises. Returns the first CUDA error seen.
 // args.mask_map: the mask's block map (with a mask);

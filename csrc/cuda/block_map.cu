@@ -1,7 +1,9 @@
 // The mask block map (kernel_params.h: MaskBlockMap): one warp per 64 x 64 cell reads the cell's
 // mask bytes (16-byte loads where the mask allows) and writes kTileAny | kTileAll. One pass at
 // full memory bandwidth, so the attention kernels never scan empty mask tiles themselves. It is
-// its own FFI call, so that under one jit the forward and the backward share one map.
+// its own FFI call, so that under one jit the forward and the backward share one map. Cells that
+// causality or the window hide from every query are never looked at by the kernels, so the pass
+// skips their bytes (half of a causal mask).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,7 +27,14 @@ struct MapBuild {
   int rows, cols;  // of one mask entry
   int cell_rows, cell_cols;  // of one map entry
   bool vec;  // 16-byte loads: every row starts on 16 bytes
+  detail::Band band;  // rows are queries, cols keys
 };
+
+// No (query, key) pair of the cell is inside the band.
+__device__ __forceinline__ bool outside_band(const detail::Band& band, int r0, int nr, int c0,
+                                             int nc) {
+  return c0 + nc - 1 - r0 < band.dmin || c0 - (r0 + nr - 1) > band.dmax;
+}
 
 constexpr int kMapWarps = 8;
 
@@ -39,6 +48,10 @@ __global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
   const int rc = static_cast<int>(cell % per_entry);
   const int r0 = rc / m.cell_cols * kMaskMapCell, c0 = rc % m.cell_cols * kMaskMapCell;
   const int nr = min(kMaskMapCell, m.rows - r0), nc = min(kMaskMapCell, m.cols - c0);
+  if (outside_band(m.band, r0, nr, c0, nc)) {
+    if (lane == 0) m.cells[cell] = kTileAll;  // neutral in every tile test (block_map.cuh)
+    return;
+  }
   const uint8_t* base = m.mask + (entry * m.rows + r0) * m.cols + c0;
 
   bool any = false, all = true;
@@ -85,7 +98,7 @@ MaskBlockMap MaskBlockMapLayout(const AttentionShape& s, const uint8_t* cells) {
 }
 
 cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, int64_t cols,
-                              uint8_t* cells, cudaStream_t stream) {
+                              const AttentionShape& rule, uint8_t* cells, cudaStream_t stream) {
   MapBuild m;
   m.mask = reinterpret_cast<const uint8_t*>(mask);
   m.cells = cells;
@@ -97,6 +110,7 @@ cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, i
   if (m.count == 0) return cudaSuccess;
   if (mask == nullptr || cells == nullptr) return cudaErrorInvalidValue;
   m.vec = cols % 16 == 0 && reinterpret_cast<uintptr_t>(mask) % 16 == 0;
+  m.band = detail::make_band(rule);
   const int64_t blocks = (m.count + kMapWarps - 1) / kMapWarps;
   mask_block_map_kernel<<<static_cast<unsigned>(blocks), kMapWarps * 32, 0, stream>>>(m);
   return cudaGetLastError();

@@ -390,7 +390,7 @@ struct Band {
   int dmax;  // INT_MAX / 2 when unbounded
 };
 
-__device__ __forceinline__ Band make_band(const AttentionShape& s) {
+__host__ __device__ __forceinline__ Band make_band(const AttentionShape& s) {
   Band b;
   const int64_t lo = s.diagonal_offset - s.window_left;
   const int64_t hi = s.diagonal_offset + s.window_right;

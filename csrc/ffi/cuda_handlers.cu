@@ -54,7 +54,8 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
 }
 
 ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
-                       ffi::ResultBuffer<ffi::U8> map) {
+                       ffi::ResultBuffer<ffi::U8> map, int64_t diagonal_offset,
+                       int64_t window_left, int64_t window_right) {
   const auto md = mask.dimensions();
   if (!IsMaskMapOf(map->dimensions(), md)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -65,8 +66,12 @@ ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
   const size_t rank = md.size();
   int64_t entries = 1;
   for (size_t d = 0; d + 2 < rank; ++d) entries *= md[d];
+  AttentionShape rule;
+  rule.diagonal_offset = diagonal_offset;
+  rule.window_left = window_left;
+  rule.window_right = window_right;
   return CudaStatus(cuda::BuildMaskBlockMap(mask.typed_data(), entries, md[rank - 2],
-                                            md[rank - 1], map->typed_data(), stream),
+                                            md[rank - 1], rule, map->typed_data(), stream),
                     "mask_map");
 }
 
@@ -135,7 +140,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnMaskMapCuda, dmattn::CudaMaskMap,
                               dmattn::OnStream()
                                   .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Attr<int64_t>("diagonal_offset")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right"),
                               {dmattn::kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnTopkLeaveCuda, dmattn::CudaTopkLeave,

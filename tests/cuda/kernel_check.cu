@@ -625,12 +625,13 @@ uint8_t* BuildMaskMap(const AttentionShape& s, const uint8_t* mask) {
   if (mask == nullptr) return nullptr;
   const int64_t rows = s.mask.row_stride != 0 ? s.seqlen_q : 1;
   const int64_t cols = s.mask.col_stride != 0 ? s.seqlen_k : 1;
+  const bool full = rows == s.seqlen_q && cols == s.seqlen_k;
   const int64_t entries = s.mask.num_elements / std::max<int64_t>(rows * cols, 1);
   const int64_t cell = dmattn::kMaskMapCell;
   auto* cells = static_cast<uint8_t*>(
       Poisoned(entries * ((rows + cell - 1) / cell) * ((cols + cell - 1) / cell)));
   CK(dmattn::cuda::BuildMaskBlockMap(reinterpret_cast<const bool*>(mask), entries, rows, cols,
-                                     cells, 0));
+                                     full ? s : AttentionShape{}, cells, 0));
   return cells;
 }
 
