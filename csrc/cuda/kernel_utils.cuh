@@ -310,8 +310,11 @@ __device__ __forceinline__ void zero_rows(T* gmem, int64_t row_stride, int r_beg
 // cp.async (async; visible after cp_async_wait + __syncthreads). Otherwise every element is
 // loaded with a plain predicated load and stored to shared memory right away (visible after
 // the next __syncthreads). With `one_row` (rs == 0) only row 0 is loaded.
+// kFixedColumns: the 16-byte chunks go to the same threads, but each thread keeps one column
+// chunk and steps down the rows in a fully unrolled loop (a row test and an add per chunk
+// instead of a division and 64-bit address math), for kernels with the registers to spare.
 // ------------------------------------------------------------------------------------------
-template <int ROWS, int COLS, int SROW, int NT, typename E>
+template <int ROWS, int COLS, int SROW, int NT, bool kFixedColumns = false, typename E>
 __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_t rs, int64_t cs,
                                                   int valid_rows, int valid_cols, bool vec,
                                                   bool one_row, int tid) {
@@ -320,6 +323,26 @@ __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_
   if (vec) {
     constexpr int kPerChunk = 16 / sizeof(E);
     constexpr int kChunksPerRow = COLS / kPerChunk;
+    if constexpr (kFixedColumns && NT % kChunksPerRow == 0 && ROWS * kChunksPerRow % NT == 0) {
+      if (!one_row) {
+        constexpr int kRowStep = NT / kChunksPerRow;
+        const int r = tid / kChunksPerRow;
+        const int c = (tid % kChunksPerRow) * kPerChunk;
+        int n = valid_cols - c;
+        n = n < 0 ? 0 : (n > kPerChunk ? kPerChunk : n);
+        const int bytes = n * static_cast<int>(sizeof(E));
+        const uint32_t dst = smem_u32(smem + r * SROW + c);
+        const E* src = base + r * rs + c;
+#pragma unroll
+        for (int i = 0; i < ROWS / kRowStep; ++i) {
+          const bool ok = bytes > 0 && r + i * kRowStep < valid_rows;
+          cp_async16(dst + i * kRowStep * SROW * static_cast<int>(sizeof(E)), ok ? src : base,
+                     ok ? bytes : 0);
+          src += kRowStep * rs;
+        }
+        return;
+      }
+    }
     const int chunks = rows * kChunksPerRow;
     for (int id = tid; id < chunks; id += NT) {
       const int r = id / kChunksPerRow;
