@@ -30,11 +30,6 @@ struct MapBuild {
   detail::Band band;  // rows are queries, cols keys
 };
 
-// No (query, key) pair of the cell is inside the band.
-__device__ __forceinline__ bool outside_band(const detail::Band& band, int r0, int nr, int c0,
-                                             int nc) {
-  return c0 + nc - 1 - r0 < band.dmin || c0 - (r0 + nr - 1) > band.dmax;
-}
 
 constexpr int kMapWarps = 8;
 
@@ -48,7 +43,11 @@ __global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
   const int rc = static_cast<int>(cell % per_entry);
   const int r0 = rc / m.cell_cols * kMaskMapCell, c0 = rc % m.cell_cols * kMaskMapCell;
   const int nr = min(kMaskMapCell, m.rows - r0), nc = min(kMaskMapCell, m.cols - c0);
-  if (outside_band(m.band, r0, nr, c0, nc)) {
+  // the attention kernels' own key-block range of these rows (kernel_utils.cuh)
+  const detail::BlockRange seen = detail::visible_key_blocks<kMaskMapCell, kMaskMapCell>(
+      detail::SeqLens{m.rows, m.cols}, m.band, r0);
+  const int cc = c0 / kMaskMapCell;
+  if (cc < seen.lo || cc >= seen.hi) {
     if (lane == 0) m.cells[cell] = kTileAll;  // neutral in every tile test (block_map.cuh)
     return;
   }

@@ -49,10 +49,12 @@ struct FwdTraits {
 #endif
   static constexpr int kChunkO = D % 128 == 0 ? 128 : 64;
 
-  // Bias and mask tiles loaded one fixed column chunk per thread (load_operand_tile): H200
-  // harness, bias + mask [B,H,L,L] L4k forward 0.96 -> 0.88 ms (50 % mask 1.11 -> 0.99); the D256
-  // forward (255 registers, spilling) ran 18 % slower with it, so wide heads keep the plain loop.
-  static constexpr bool kFixedColumnLoads = D <= 128;
+  // Registers to spare (D <= 128): the mask map walk keeps its 32 tiles' flags from step to
+  // step, and bias / mask tiles load one fixed column chunk per thread (load_operand_tile; H200
+  // harness, bias + mask [B,H,L,L] L4k forward 0.96 -> 0.88 ms). The D256 forward (255
+  // registers, spilling) ran slower with either: 0.71 -> 0.84 ms with the kept walk, +18 % with
+  // the loads. Wider tiles walk afresh at every step and load in the plain loop.
+  static constexpr bool kSpareRegisters = D <= 128;
 
   static constexpr int kBiasPitch = BN + 8;   // elements (keeps 16-byte rows, no bank conflicts)
   static constexpr int kMaskPitch = BN + 16;  // bytes
@@ -232,12 +234,12 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   }
 
   auto load_mask = [&](int n) {
-    load_operand_tile<BM, BN, Tr::kMaskPitch, NT, Tr::kFixedColumnLoads>(
+    load_operand_tile<BM, BN, Tr::kMaskPitch, NT, Tr::kSpareRegisters>(
         sMask, mg + static_cast<int64_t>(n) * BN * s.mask.col_stride, s.mask.row_stride,
         s.mask.col_stride, valid_q, L.kv_len - n * BN, p.mask_vec, mask_one_row, tid);
   };
   auto load_bias = [&](int n) {
-    load_operand_tile<BM, BN, Tr::kBiasPitch, NT, Tr::kFixedColumnLoads>(
+    load_operand_tile<BM, BN, Tr::kBiasPitch, NT, Tr::kSpareRegisters>(
         sBias, bg + static_cast<int64_t>(n) * BN * s.bias.col_stride, s.bias.row_stride,
         s.bias.col_stride, valid_q, L.kv_len - n * BN, p.bias_vec, bias_one_row, tid);
   };
@@ -252,13 +254,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     if (!(flags & kTileAll)) load_mask(n);
     cp_async_commit();
   };
-  // One walk keeps its 32 tiles' flags from step to step where the tile has registers to spare
-  // (D <= 128); wider tiles start a fresh walk at every step (H200 harness, dense D=256 L4k
-  // forward: 0.84 ms with one walk, 0.71 with fresh ones).
   const MaskMapView map(p.mask_map, s, b, h);
   auto walk = key_block_walk<BM, BN>(map, has_mask, m0, n_lo);
   auto next_block = [&](int n, int* flags) {
-    if constexpr (D <= 128) {
+    if constexpr (Tr::kSpareRegisters) {
       return walk.next(n, flags);
     } else {
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
