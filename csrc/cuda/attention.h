@@ -7,6 +7,12 @@
 
 namespace dmattn::cuda {
 
+// The forward kernel generation on a Hopper GPU: the dispatcher's choice (kAuto: the
+// warp-specialised kernel where it takes the call), or one forced for the whole process (side by
+// side measurements and tests). Other GPUs always run kFlash2.
+enum class ForwardKernel : int { kAuto = 0, kFlash2 = 1, kHopper = 2 };
+void SetForwardKernel(ForwardKernel kernel);
+
 // Head dims with compiled kernels for this build (see CMake option JAX_DMATTN_HEAD_DIMS).
 bool SupportsHeadDim(int64_t head_dim);
 

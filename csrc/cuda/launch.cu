@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "cuda/attention.h"
@@ -161,6 +162,17 @@ cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStrea
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int> forward_kernel_setting{static_cast<int>(ForwardKernel::kAuto)};
+}  // namespace
+
+void SetForwardKernel(ForwardKernel kernel) {
+  forward_kernel_setting.store(static_cast<int>(kernel), std::memory_order_relaxed);
+}
+ForwardKernel ForwardKernelSetting() {
+  return static_cast<ForwardKernel>(forward_kernel_setting.load(std::memory_order_relaxed));
+}
 
 int MultiProcessors() {
   int dev = 0, n = 0;

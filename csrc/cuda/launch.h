@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/attention.h"
 #include "cuda/kernel_params.h"
 
 namespace dmattn::cuda {
@@ -37,6 +38,9 @@ constexpr int kSmallestBackwardKeyBlock = 64;
 // True when the current device is a Hopper GPU and this build holds sm_90a kernels (wgmma):
 // the backward then runs its warpgroup-shaped tiles.
 bool HopperKernels();
+
+// The forward generation that SetForwardKernel (attention.h) chose for this process.
+ForwardKernel ForwardKernelSetting();
 
 // Everything the backward launcher needs beyond the kernel parameter block.
 struct BwdLaunch {

@@ -13,6 +13,7 @@
 #include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
 #include "cuda/launch.h"
+#include "cuda/sm90/fwd_launch.cuh"
 
 namespace dmattn::cuda {
 
@@ -179,11 +180,30 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The forward generation for this call: the warp-specialised Hopper kernel where the device, the
+// build, the head dim and the call's features allow it (SetForwardKernel can force either).
+template <int D>
+bool UseHopperForward(const FwdParams& params) {
+  if constexpr (sm90::FwdConfig<D>::kAvailable) {
+    const ForwardKernel setting = ForwardKernelSetting();
+    return setting != ForwardKernel::kFlash2 && HopperKernels() && sm90::Takes(params);
+  } else {
+    return false;
+  }
+}
+
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
 #endif
+  if constexpr (sm90::FwdConfig<D>::kAvailable) {
+    if (UseHopperForward<D>(params)) {
+      const cudaError_t e =
+          sm90::RunForward<typename sm90::FwdConfig<D>::Traits, T>(params, stream);
+      if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other
+    }
+  }
   return RunForwardTiles<typename FwdConfig<D>::Traits, T>(params, stream);
 }
 

@@ -500,6 +500,14 @@ struct FwdOut {
   float* lse = nullptr;
 };
 
+// A Hopper GPU, where the dispatcher may pick either forward generation.
+bool HopperGpu() {
+  int dev = 0, major = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major == 9;
+}
+
 // Mean milliseconds of `reps` back-to-back launches by `launch` (CUDA events on stream 0).
 template <typename Launch>
 float MeanMs(Launch launch, int reps) {
@@ -876,6 +884,16 @@ std::vector<Case> QuickCases() {
     c.D = 64; v.push_back(c);
   }
   {
+    // the Hopper forward: irregular lengths, causal with Lq < Lk, GQA, sequence lengths
+    Case c; c.name = "quick_q17_k129_d128_causal_gqa"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 17; c.Lk = 129; c.D = 128; c.causal = true; v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;
+    c.Lq = 300; c.Lk = 257; c.D = 128; c.seqlens = true; c.q_lens = {300, 111};
+    c.kv_lens = {200, 257}; c.softcap = 20.f; v.push_back(c);
+  }
+  {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
     Case c; c.name = "quick_ordered_q1100_k4100_d128_mask"; c.H = 16; c.Hk = 4; c.Lq = 1100;
     c.Lk = 4100; c.D = 128; c.mask = Op({1}, 16, true, true); c.block_density = 0.1f;
@@ -1069,6 +1087,8 @@ void Bench(bool variants, const std::string& only) {
     benches.push_back({"dense d128 L4k B4 H16 (deterministic dq kernel)", c, 0});
   }
   benches.push_back({"dense d128 L4k B4 H16 causal", mk("b2", 4, 16, 16, 4096, 128, true, false, false), 0});
+  benches.push_back({"dense d128 L16k B1 H16", mk("b1l", 1, 16, 16, 16384, 128, false, false, false), 0});
+  benches.push_back({"dense d128 L16k B1 H16 causal", mk("b2l", 1, 16, 16, 16384, 128, true, false, false), 0});
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
@@ -1128,6 +1148,17 @@ void Bench(bool variants, const std::string& only) {
       } else {
         std::printf(" %10s %10s\n", "-", "-");
       }
+      std::fflush(stdout);
+    }
+    if (HopperGpu()) {  // the FlashAttention-2-class forward beside the dispatcher's choice
+      float mf = 0;
+      DeviceOut o;
+      dmattn::cuda::SetForwardKernel(dmattn::cuda::ForwardKernel::kFlash2);
+      FwdOut f = RunForwardDevice(P, in, &o, &mf, 10);
+      dmattn::cuda::SetForwardKernel(dmattn::cuda::ForwardKernel::kAuto);
+      FreeFwd(f);
+      std::printf("%-55s %10.3f %10.1f %10s %10s\n", "  ^ FlashAttention-2-class forward", mf,
+                  fl / mf / 1e9, "-", "-");
       std::fflush(stdout);
     }
     if (b.c.mask.present && b.c.mask.rows && b.c.mask.cols) {  // the same, plain block order
@@ -1231,6 +1262,15 @@ int main(int argc, char** argv) {
     Err eo = Compare16(o.out, R.out, P.dt);
     Err el = CompareLse(o.lse, R.lse);
     const int64_t splits = dmattn::cuda::ForwardSplits(P.s);
+    if (HopperGpu()) {  // the FlashAttention-2-class forward too: both generations must pass
+      dmattn::cuda::SetForwardKernel(dmattn::cuda::ForwardKernel::kFlash2);
+      DeviceOut o2;
+      FwdOut f2 = RunForwardDevice(P, in, &o2, nullptr, 0);
+      dmattn::cuda::SetForwardKernel(dmattn::cuda::ForwardKernel::kAuto);
+      FreeFwd(f2);
+      eo = Worse(eo, Compare16(o2.out, R.out, P.dt));
+      el = Worse(el, CompareLse(o2.lse, R.lse));
+    }
     {  // the same forward without its workspace (unsplit, plain order): both paths must pass
       DeviceOut o1;
       FwdOut f1 = RunForwardDevice(P, in, &o1, nullptr, 0, false);

@@ -1,0 +1,253 @@
+// Consumer main loop of the Hopper forward: one warpgroup, 64 query rows of the tile, walks the
+// tile's visible key blocks from the last to the first.
+//
+//   S(n) = Q K(n)^T          wgmma, both operands in shared memory
+//   O   += P(n+1) V(n+1)     wgmma, P from registers: issued right after S(n), so the softmax
+//                            of S(n) runs while the tensor cores work on P V
+//   S(n): softcap, -inf where lengths / the diagonal window hide a key, online softmax -> P(n)
+//   O   *= the rescale factor of S(n)'s new row maxima, once P V is done
+//
+// The consumer warpgroups take turns at issuing their two GEMMs (named barriers kTurnBarrier):
+// one warpgroup's softmax runs under the other's GEMMs. Ring slots are released to the producer
+// as soon as the wgmma reading them has completed.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/sm90/fwd_scheduler.cuh"
+#include "cuda/sm90/fwd_traits.cuh"
+#include "cuda/sm90/sync.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+// A consumer thread: warpgroup `wg` of the consumers, its warp in the warpgroup, and the two
+// accumulator rows g and g + 8 of that warp's 16 that it holds (columns 2 tq, 2 tq + 1 of each
+// 8-column tile).
+struct ConsumerThread {
+  int wg, warp, lane, g, tq;
+  __device__ __forceinline__ explicit ConsumerThread(int consumer_tid)
+      : wg(consumer_tid / 128),
+        warp((consumer_tid / 32) % 4),
+        lane(consumer_tid % 32),
+        g((consumer_tid % 32) / 4),
+        tq(consumer_tid % 4) {}
+  // The first of the warpgroup's 64 rows, and this thread's first row, in a tile at m0.
+  __device__ __forceinline__ int wg_row0(int m0) const { return m0 + 64 * wg; }
+  __device__ __forceinline__ int row0(int m0) const { return m0 + 64 * wg + 16 * warp + g; }
+  // Tells the producer this warp is done with a slot (every warp of every consumer arrives).
+  __device__ __forceinline__ void release(uint64_t* bar) const {
+    if (lane == 0) mbar_arrive(bar);
+  }
+};
+
+// Online softmax state of a thread's two rows: running max (of the accumulator units) and sum.
+struct RowState {
+  float m[2], l[2];
+  __device__ __forceinline__ void reset() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+};
+
+template <int kConsumers>
+__device__ __forceinline__ void take_turn(int wg) {
+  if constexpr (kConsumers > 1) named_sync(kTurnBarrier + wg, 256);
+}
+template <int kConsumers>
+__device__ __forceinline__ void pass_turn(int wg) {
+  if constexpr (kConsumers > 1) named_arrive(kTurnBarrier + (wg + 1) % kConsumers, 256);
+}
+
+// S = Q K^T (issued, one wgmma group): Q's 64 rows at sq, K's BN rows at sk.
+template <typename Tr, typename T>
+__device__ __forceinline__ void issue_scores(float (&s)[Tr::BN / 2], uint32_t sq, uint32_t sk) {
+  const uint64_t dq = detail::gmma_desc(sq, 0);
+  const uint64_t dk = detail::gmma_desc(sk, 0);
+  detail::wgmma_async(
+      [&] {
+#pragma unroll
+        for (int ks = 0; ks < Tr::D / 16; ++ks) {
+          detail::wgmma_ss<0, 0>(s, detail::gmma_advance(dq, detail::kmajor_step(ks, Tr::BM)),
+                                 detail::gmma_advance(dk, detail::kmajor_step(ks, Tr::BN)), ks > 0,
+                                 T());
+        }
+      },
+      s);
+}
+
+// O += P V (issued, one wgmma group): P from registers, V (MN-major) at sv.
+template <typename Tr, typename T>
+__device__ __forceinline__ void issue_output(float (&o)[Tr::D / 2],
+                                             const uint32_t (&p)[Tr::BN / 16][4], uint32_t sv) {
+  constexpr int kC = Tr::kChunkO, kChunks = Tr::D / kC;
+  float(&acc)[kChunks][kC / 2] = reinterpret_cast<float(&)[kChunks][kC / 2]>(o);
+  const uint64_t dv = detail::gmma_desc(sv, Tr::BN * 128);
+  detail::wgmma_async(
+      [&] {
+#pragma unroll
+        for (int kk = 0; kk < Tr::BN / 16; ++kk)
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c)
+            detail::wgmma_rs<1>(
+                acc[c], p[kk],
+                detail::gmma_advance(dv, detail::mnmajor_step(kk) + c * (kC / 64) * Tr::BN * 128),
+                true, T());
+      },
+      o);
+}
+
+// softcap, then -inf for keys the lengths or the diagonal window hide from a row (tested per
+// element only in tiles that cross a boundary).
+template <typename Tr>
+__device__ __forceinline__ void hide_invisible(float (&s)[Tr::BN / 2], const FwdParams& p,
+                                               const TileWork& w, const ConsumerThread& th,
+                                               int n) {
+  if (p.softcap > 0.f) {
+#pragma unroll
+    for (int i = 0; i < Tr::BN / 2; ++i) s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
+  }
+  const detail::Band band = detail::make_band(p.s);
+  const int r0 = th.wg_row0(w.m0), n0 = n * Tr::BN;
+  const bool crosses = r0 + 64 > w.lens.q_len || n0 + Tr::BN > w.lens.kv_len ||
+                       n0 - (r0 + 63) < band.dmin || n0 + Tr::BN - 1 - r0 > band.dmax;
+  if (!crosses) return;
+  // Row i sees keys [lo, hi): as offsets from this thread's first column n0 + 2 tq.
+  const int c0 = n0 + 2 * th.tq;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = th.row0(w.m0) + 8 * half;
+    const bool row_exists = i < w.lens.q_len;
+    const int lo = max(0, i + band.dmin) - c0;
+    const int hi = row_exists ? min(w.lens.kv_len, i + band.dmax + 1) - c0 : lo;
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * t + e;
+        if (col < lo || col >= hi) s[4 * t + 2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed
+// before.
+template <int N>
+__device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
+                                               float mul) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = st.m[half];
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
+    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled);
+    st.m[half] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * t + 2 * half + e];
+        x = detail::fast_exp2(x * mul - m_scaled);
+        sum += x;
+      }
+    }
+    st.l[half] = st.l[half] * corr[half] + sum;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N], const float (&corr)[2]) {
+#pragma unroll
+  for (int t = 0; t < N / 4; ++t) {
+    o[4 * t] *= corr[0];
+    o[4 * t + 1] *= corr[0];
+    o[4 * t + 2] *= corr[1];
+    o[4 * t + 3] *= corr[1];
+  }
+}
+
+// The probabilities as the A fragments of the P V wgmma (k-step kk: columns 16 kk ..).
+template <typename T, int N>
+__device__ __forceinline__ void pack_probabilities(uint32_t (&a)[N / 8][4], const float (&s)[N]) {
+  using E = detail::Elem<T>;
+#pragma unroll
+  for (int kk = 0; kk < N / 8; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[kk][j] = E::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+  }
+}
+
+// One tile's main loop (non-empty tile: Q loaded into sQ under bar.q_full with parity
+// q_parity). Leaves the unnormalised O and the row state.
+template <typename Tr, typename T>
+__device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileWork& w,
+                                             uint32_t smem, const FwdBarriers<Tr>& bar,
+                                             RingPos<Tr::kStages>& ring, uint32_t q_parity,
+                                             const ConsumerThread& th, float (&o)[Tr::D / 2],
+                                             RowState& st) {
+  constexpr int kC = Tr::kConsumers;
+  const FwdParams& p = P.p;
+  const uint32_t sq = smem + Tr::kOffQ + th.wg * 64 * 128;
+  auto k_at = [&](int slot) { return smem + Tr::kOffK + slot * Tr::kKVBytes; };
+  auto v_at = [&](int slot) { return smem + Tr::kOffV + slot * Tr::kKVBytes; };
+#pragma unroll
+  for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
+  st.reset();
+
+  float s[Tr::BN / 2];
+  uint32_t pf[Tr::BN / 16][4];
+  float corr[2];
+  int n = w.keys.hi - 1;
+
+  mbar_wait(bar.q_full(), q_parity);
+  mbar_wait(bar.k_full(ring.slot), ring.parity);
+  take_turn<kC>(th.wg);
+  issue_scores<Tr, T>(s, sq, k_at(ring.slot));
+  pass_turn<kC>(th.wg);
+  detail::wgmma_wait<0>();
+  detail::fence_operands(s);
+  th.release(bar.k_empty(ring.slot));
+  hide_invisible<Tr>(s, p, w, th, n);
+  online_softmax(s, st, corr, p.softmax_mul);
+  pack_probabilities<T>(pf, s);
+  RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
+  ring.advance();
+
+  for (--n; n >= w.keys.lo; --n) {
+    mbar_wait(bar.k_full(ring.slot), ring.parity);
+    take_turn<kC>(th.wg);
+    issue_scores<Tr, T>(s, sq, k_at(ring.slot));
+    mbar_wait(bar.v_full(pv.slot), pv.parity);
+    issue_output<Tr, T>(o, pf, v_at(pv.slot));
+    pass_turn<kC>(th.wg);
+
+    detail::wgmma_wait<1>();  // S(n)
+    detail::fence_operands(s);
+    th.release(bar.k_empty(ring.slot));
+    hide_invisible<Tr>(s, p, w, th, n);
+    online_softmax(s, st, corr, p.softmax_mul);
+
+    detail::wgmma_wait<0>();  // P V
+    detail::fence_operands(o);
+    th.release(bar.v_empty(pv.slot));
+    rescale(o, corr);
+    pack_probabilities<T>(pf, s);
+    pv = ring;
+    ring.advance();
+  }
+
+  mbar_wait(bar.v_full(pv.slot), pv.parity);
+  take_turn<kC>(th.wg);
+  issue_output<Tr, T>(o, pf, v_at(pv.slot));
+  pass_turn<kC>(th.wg);
+  detail::wgmma_wait<0>();
+  detail::fence_operands(o);
+  th.release(bar.v_empty(pv.slot));
+  th.release(bar.q_empty());
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,76 @@
+// Epilogue of the Hopper forward: one consumer warpgroup normalises its 64 rows of O and writes
+// them with lse. A bf16 / fp16 out goes through shared memory and leaves by one TMA store per
+// 64-column panel (rows past Lq are clipped by the tensor map); a float32 out (the backward's
+// residual) is stored straight from the registers.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/sm90/fwd_consumer.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Tr, typename T>
+__device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWork& w,
+                                           uint8_t* smem, const ConsumerThread& th,
+                                           const float (&o)[Tr::D / 2], const RowState& st) {
+  using E = detail::Elem<T>;
+  const FwdParams& p = P.p;
+  const AttentionShape& s = p.s;
+  const int Lq = static_cast<int>(s.seqlen_q);
+  float inv_l[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float l = st.l[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[half] = l > 0.f ? 1.f / l : 0.f;
+    const int i = th.row0(w.m0) + 8 * half;
+    if (th.tq == 0 && i < Lq) {
+      p.lse[s.lse_offset(w.b, w.h) + i] =
+          l > 0.f ? st.m[half] * p.lse_mul + logf(l) : -INFINITY;
+    }
+  }
+
+  if (p.out_f32) {
+    float* dst = static_cast<float*>(p.out) + s.q_offset(w.b, w.h);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = th.row0(w.m0) + 8 * half;
+      if (i >= Lq) continue;
+#pragma unroll
+      for (int t = 0; t < Tr::NTO; ++t) {
+        *reinterpret_cast<float2*>(dst + i * s.q_row_stride() + t * 8 + 2 * th.tq) =
+            make_float2(o[4 * t + 2 * half] * inv_l[half], o[4 * t + 2 * half + 1] * inv_l[half]);
+      }
+    }
+    return;
+  }
+
+  using TileO = detail::SwizzledTile<Tr::BM, Tr::D>;
+  T* so = reinterpret_cast<T*>(smem + Tr::kOffO);
+  const bool issuer = th.warp == 0 && th.lane == 0;
+  if (issuer) detail::bulk_wait_read();  // the previous tile's store has read the stage
+  named_sync(kEpilogueBarrier + th.wg, 128);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 64 * th.wg + 16 * th.warp + th.g + 8 * half;
+#pragma unroll
+    for (int t = 0; t < Tr::NTO; ++t) {
+      *reinterpret_cast<uint32_t*>(so + TileO::off(r, t * 8 + 2 * th.tq)) =
+          E::pack(o[4 * t + 2 * half] * inv_l[half], o[4 * t + 2 * half + 1] * inv_l[half]);
+    }
+  }
+  detail::fence_async_shared();
+  named_sync(kEpilogueBarrier + th.wg, 128);
+  if (issuer) {
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      tma_store(&P.o_map, smem + Tr::kOffO + panel * Tr::BM * 128 + th.wg * 64 * 128, panel * 64,
+                w.h, th.wg_row0(w.m0), static_cast<int>(w.b));
+    }
+    detail::bulk_commit();
+  }
+}
+
+}  // namespace dmattn::cuda::sm90

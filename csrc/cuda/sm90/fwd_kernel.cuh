@@ -1,0 +1,68 @@
+// Warp-specialised Hopper forward (FlashAttention-3 style), persistent: one CTA per SM.
+//
+//   warpgroup 0       producer (fwd_producer.cuh): TMA loads of Q, K, V into the ring
+//   warpgroups 1..    consumers (fwd_consumer.cuh): GEMM -> visibility -> online softmax -> GEMM
+//                     on 64 query rows each, then the epilogue (fwd_epilogue.cuh)
+//
+// Both roles walk the same tiles in the same order (fwd_scheduler.cuh). The producer gives its
+// registers to the consumers (setmaxnreg). Dense attention with lengths, causal / window,
+// GQA, softcap and lse; calls with a mask or bias, or split-KV, take the FlashAttention-2-class
+// forward (the dispatcher in launch_template.cuh decides).
+#pragma once
+
+#include "cuda/sm90/fwd_epilogue.cuh"
+#include "cuda/sm90/fwd_producer.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Tr, typename T>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParamsSm90 P) {
+#if defined(DMATTN_WGMMA)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const FwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
+  if (threadIdx.x == 0) {
+    mbar_init(bar.q_full(), 1);
+    mbar_init(bar.q_empty(), Tr::kReleaseArrivals);
+    for (int slot = 0; slot < Tr::kStages; ++slot) {
+      mbar_init(bar.k_full(slot), 1);
+      mbar_init(bar.k_empty(slot), Tr::kReleaseArrivals);
+      mbar_init(bar.v_full(slot), 1);
+      mbar_init(bar.v_empty(slot), Tr::kReleaseArrivals);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    release_registers<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) produce<Tr>(P, smem, bar);
+    return;
+  }
+  claim_registers<Tr::kConsumerRegs>();
+  const ConsumerThread th(threadIdx.x - 128);
+  // The first consumer takes the first turn at the tensor cores.
+  if (th.wg == Tr::kConsumers - 1) pass_turn<Tr::kConsumers>(th.wg);
+  RingPos<Tr::kStages> ring;
+  uint32_t q_parity = 0;
+  float o[Tr::D / 2];
+  RowState st;
+  for (int64_t t = blockIdx.x; t < P.order.tiles; t += gridDim.x) {
+    const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+    if (w.empty()) {
+#pragma unroll
+      for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
+      st.reset();
+    } else {
+      consume_tile<Tr, T>(P, w, detail::smem_u32(smem), bar, ring, q_parity, th, o, st);
+      q_parity ^= 1;
+    }
+    store_tile<Tr, T>(P, w, smem, th, o, st);
+  }
+  // The last turn handed to the first consumer is taken, so no barrier is left half-arrived.
+  if (th.wg == 0) take_turn<Tr::kConsumers>(th.wg);
+  if (th.warp == 0 && th.lane == 0) detail::bulk_wait_read();
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,90 @@
+// Host launcher of the warp-specialised Hopper forward (included by launch_template.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/launch.h"
+#include "cuda/sm90/fwd_kernel.cuh"
+#include "cuda/sm90/tensor_maps.h"
+
+namespace dmattn::cuda::sm90 {
+
+// Head dims with a Hopper forward tile, and the tile.
+template <int D>
+struct FwdConfig {
+  static constexpr bool kAvailable = false;
+};
+template <>
+struct FwdConfig<128> {
+  static constexpr bool kAvailable = true;
+  using Traits = FwdTraits<128, 128>;
+};
+
+// Distinct batch entries of k / v (1 when broadcast over every batch dim).
+inline int64_t KvEntries(const AttentionShape& s) {
+  const int64_t entry = s.seqlen_k * s.num_kv_heads * s.head_dim;
+  int64_t last = 0;
+  for (int d = 0; d < s.batch.rank; ++d) last += (s.batch.sizes[d] - 1) * s.kv_batch.strides[d];
+  return last / entry + 1;
+}
+
+// (batch, head) pairs whose K and V fit in half of the L2 cache together (at least one).
+inline int64_t HeadsSharingL2(const AttentionShape& s) {
+  int dev = 0, l2 = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+    l2 = 50 << 20;
+  }
+  const int64_t kv_bytes = 2 * s.seqlen_k * s.head_dim * 2 / s.heads_per_kv_head();
+  const int64_t heads = kv_bytes > 0 ? (l2 / 2) / kv_bytes : 1;
+  return heads < 1 ? 1 : heads;
+}
+
+// True when the Hopper forward takes this call (no mask or bias yet, no key splits, operands
+// TMA can address); the FlashAttention-2-class forward runs the rest.
+inline bool Takes(const FwdParams& p) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return p.mask == nullptr && p.bias == nullptr && p.num_splits == 1 && aligned(p.q) &&
+         aligned(p.k) && aligned(p.v) && aligned(p.out) && p.s.seqlen_q > 0 && p.s.seqlen_k > 0;
+}
+
+template <typename Tr, typename T>
+cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
+  const AttentionShape& s = params.s;
+  FwdParamsSm90 P{};
+  P.p = params;
+  P.order.m_blocks = static_cast<int>((s.seqlen_q + Tr::BM - 1) / Tr::BM);
+  P.order.heads = s.batch_count() * s.num_heads;
+  P.order.tiles = P.order.heads * P.order.m_blocks;
+  P.order.group_heads = HeadsSharingL2(s);
+  if (P.order.tiles == 0) return cudaSuccess;
+  P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
+  const int64_t kv_entries = KvEntries(s);
+  const int64_t B = s.batch_count();
+  cudaError_t e = EncodeRowMajorMap(&P.q_map, params.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,
+                                    Tr::BM);
+  if (e == cudaSuccess) {
+    e = EncodeRowMajorMap(&P.k_map, params.k, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
+                          Tr::D, Tr::BN);
+  }
+  if (e == cudaSuccess) {
+    e = EncodeRowMajorMap(&P.v_map, params.v, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
+                          Tr::D, Tr::BN);
+  }
+  if (e == cudaSuccess && !params.out_f32) {
+    e = EncodeRowMajorMap(&P.o_map, params.out, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D, 64);
+  }
+  if (e != cudaSuccess) return e;
+  auto kernel = fwd_kernel<Tr, T>;
+  if (cudaError_t e2 = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            Tr::kSmem);
+      e2 != cudaSuccess) {
+    return e2;
+  }
+  const int64_t sms = MultiProcessors();
+  const unsigned grid = static_cast<unsigned>(P.order.tiles < sms ? P.order.tiles : sms);
+  kernel<<<grid, Tr::kThreads, Tr::kSmem, stream>>>(P);
+  return cudaGetLastError();
+}
+
+}  // namespace dmattn::cuda::sm90

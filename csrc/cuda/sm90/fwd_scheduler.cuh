@@ -1,0 +1,62 @@
+// Persistent tile scheduler of the Hopper forward: one CTA per SM walks the tiles t = blockIdx.x,
+// + gridDim.x, ... of one fixed order, which the producer and the consumers of a CTA both follow.
+//
+// The order: (batch, head) pairs in groups of `group_heads`, a group's K / V small enough to stay
+// in L2 while all its tiles run (otherwise 132 CTAs on 132 different heads would each stream
+// their K / V from memory); within a group the query blocks from the last to the first (under
+// causality the last has the most keys, so the heaviest tiles start first and the light ones
+// fill the tail), heads innermost.
+#pragma once
+
+#include "cuda/sm90/fwd_params.h"
+
+namespace dmattn::cuda::sm90 {
+
+struct FwdTile {
+  int m_block;
+  int64_t bh;  // batch * H + head
+};
+
+__device__ __forceinline__ FwdTile tile_at(const TileOrder& o, int64_t t) {
+  const int64_t group_tiles = o.group_heads * o.m_blocks;
+  const int64_t group = t / group_tiles;
+  const int64_t i = t - group * group_tiles;
+  const int64_t first = group * o.group_heads;
+  const int64_t heads = min(o.group_heads, o.heads - first);
+  const int64_t block_rank = i / heads;
+  return {o.m_blocks - 1 - static_cast<int>(block_rank), first + (i - block_rank * heads)};
+}
+
+}  // namespace dmattn::cuda::sm90
+
+#include "cuda/kernel_utils.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+// What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
+// [keys.lo, keys.hi) that lengths and the diagonal / window rule leave visible to some of them.
+struct TileWork {
+  int64_t b;
+  int h, hk;
+  int m0;
+  detail::SeqLens lens;
+  detail::BlockRange keys;
+  __device__ __forceinline__ bool empty() const { return keys.hi <= keys.lo; }
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t) {
+  const AttentionShape& s = P.p.s;
+  const FwdTile tile = tile_at(P.order, t);
+  const int H = static_cast<int>(s.num_heads);
+  TileWork w;
+  w.b = tile.bh / H;
+  w.h = static_cast<int>(tile.bh - w.b * H);
+  w.hk = w.h / static_cast<int>(s.num_heads / s.num_kv_heads);
+  w.m0 = tile.m_block * BM;
+  w.lens = detail::seq_lens(s, P.p.q_lens, P.p.kv_lens, w.b);
+  w.keys = detail::visible_key_blocks<BM, BN>(w.lens, detail::make_band(s), w.m0);
+  return w;
+}
+
+}  // namespace dmattn::cuda::sm90

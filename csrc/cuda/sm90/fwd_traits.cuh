@@ -1,0 +1,76 @@
+// Tile shape, thread roles, register split and shared-memory layout of the warp-specialised
+// Hopper forward (sm90/fwd_kernel.cuh).
+//
+// A CTA is one producer warpgroup (one thread issues every TMA load) and kConsumers consumer
+// warpgroups of 64 query rows each: BM = 64 kConsumers query rows of one (batch, head) against
+// BN-key blocks of K and V that stream through a ring of kStages slots. Every 16-bit operand
+// tile is stored as 64-column panels of 128-byte rows in the hardware's 128-byte swizzle
+// (SwizzledTile, the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads).
+#pragma once
+
+#include <cstdint>
+
+namespace dmattn::cuda::sm90 {
+
+template <int D_, int BN_>
+struct FwdTraits {
+  static constexpr int D = D_, BN = BN_;
+  static constexpr int kConsumers = 2;
+  static constexpr int BM = 64 * kConsumers;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kStages = 2;
+  // setmaxnreg budgets: 24 + 2 x 240 registers per thread slot fill the SM's 64K registers
+  // (128 threads per warpgroup).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 512, "register file");
+
+  static constexpr int kPanels = D / 64;                     // 64-column panels of a tile
+  static constexpr int NTS = BN / 8;                         // 8-column tiles of S
+  static constexpr int NTO = D / 8;                          // 8-column tiles of O
+  static constexpr int kChunkO = D % 128 == 0 ? 128 : 64;    // wgmma N of the P V GEMM
+  static_assert(D % 64 == 0 && D <= 256, "head dims of whole 64-column panels");
+  static_assert(BN == 64 || BN == 128, "wgmma N of the Q K^T GEMM");
+
+  static constexpr uint32_t kQBytes = BM * D * 2;
+  static constexpr uint32_t kKVBytes = BN * D * 2;
+  static constexpr uint32_t kOffQ = 0;
+  static constexpr uint32_t kOffK = kOffQ + kQBytes;
+  static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
+  static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kOffBarriers = kOffO + kQBytes;
+  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0,
+                "operands on 1024-byte boundaries (the swizzle is a function of the address)");
+  static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
+
+  // Every consumer warp releases a ring slot (and Q) once its wgmmas have read it.
+  static constexpr int kReleaseArrivals = 4 * kConsumers;
+};
+
+// The ring's barriers, carved from the end of the CTA's shared memory.
+template <typename Tr>
+struct FwdBarriers {
+  uint64_t* base;
+  __device__ __forceinline__ uint64_t* q_full() const { return base; }
+  __device__ __forceinline__ uint64_t* q_empty() const { return base + 1; }
+  __device__ __forceinline__ uint64_t* k_full(int slot) const { return base + 2 + slot; }
+  __device__ __forceinline__ uint64_t* k_empty(int slot) const {
+    return base + 2 + Tr::kStages + slot;
+  }
+  __device__ __forceinline__ uint64_t* v_full(int slot) const {
+    return base + 2 + 2 * Tr::kStages + slot;
+  }
+  __device__ __forceinline__ uint64_t* v_empty(int slot) const {
+    return base + 2 + 3 * Tr::kStages + slot;
+  }
+};
+
+// Named barrier ids (0 is __syncthreads'): the consumers' turns at issuing wgmmas, and each
+// consumer warpgroup's epilogue.
+constexpr int kTurnBarrier = 1;                     // + consumer index
+constexpr int kEpilogueBarrier = 1 + 4;             // + consumer index
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,121 @@
+// sm_90a synchronisation and copy primitives of the warp-specialised kernels: mbarriers (the
+// producer / consumer ring), the tensor memory accelerator (TMA: whole tiles between global and
+// shared memory, completing on an mbarrier), named barriers among warpgroups and register
+// reallocation between them (setmaxnreg).
+//
+// An mbarrier here counts a phase: it completes when its expected arrivals have arrived and the
+// bytes announced with arrive_expect_tx have landed; waiters name the parity of the phase they
+// wait for. A ring slot's "full" barrier is completed by the producer's TMA, its "empty" barrier
+// by the consumers that have finished reading it.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/kernel_utils.cuh"
+#include "cuda/sm90.cuh"
+
+#if defined(DMATTN_WGMMA)
+#define DMATTN_SM90A_ONLY(...) __VA_ARGS__
+#else
+#define DMATTN_SM90A_ONLY(...)
+#endif
+
+namespace dmattn::cuda::sm90 {
+
+using detail::smem_u32;
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {
+  DMATTN_SM90A_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)),
+                                 "r"(arrivals)
+                                 : "memory");)
+}
+// Makes the initialised barriers visible to the async proxy (TMA) and the other threads, with
+// the CTA barrier that follows.
+__device__ __forceinline__ void mbar_init_fence() {
+  DMATTN_SM90A_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");)
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  DMATTN_SM90A_ONLY(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar))
+                                 : "memory");)
+}
+// One arrival that also announces `bytes` of TMA traffic for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  DMATTN_SM90A_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                                     smem_u32(bar)),
+                                 "r"(bytes)
+                                 : "memory");)
+}
+// Waits until the phase of parity `parity` has completed (a fresh barrier counts the phase of
+// parity 1 as completed, so producers start waiting on their empty barriers with parity 1).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  DMATTN_SM90A_ONLY(uint32_t done = 0; const uint32_t addr = smem_u32(bar); do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);)
+}
+
+// A 4-d box of the tensor that `map` describes (coordinates innermost first) into shared
+// memory, completing `bytes` of `bar`'s transaction count; out-of-bounds elements read as 0.
+__device__ __forceinline__ void tma_load(void* dst, const void* map, uint64_t* bar, int c0, int c1,
+                                         int c2, int c3) {
+  DMATTN_SM90A_ONLY(asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
+      "%4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");)
+}
+// A box of shared memory to the tensor `map` describes; elements out of bounds are not written.
+// Completes as a bulk group (detail::bulk_commit / bulk_wait_read).
+__device__ __forceinline__ void tma_store(const void* map, const void* src, int c0, int c1, int c2,
+                                          int c3) {
+  DMATTN_SM90A_ONLY(asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");)
+}
+__device__ __forceinline__ void tma_prefetch_descriptor(const void* map) {
+  DMATTN_SM90A_ONLY(
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");)
+}
+
+// Named barriers (id 0 is __syncthreads'): `threads` (a multiple of 32) take part; sync waits,
+// arrive does not.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Register reallocation: the warpgroup gives registers back (dec) or takes them (inc); every
+// warp of the warpgroup executes it. Only effective in a kernel with a register cap at entry.
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+  DMATTN_SM90A_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));)
+}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+  DMATTN_SM90A_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));)
+}
+
+// A ring position: slot index and the parity of the slot's current phase.
+template <int kSlots>
+struct RingPos {
+  int slot = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kSlots) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+};
+
+}  // namespace dmattn::cuda::sm90
+
+#undef DMATTN_SM90A_ONLY

@@ -1,0 +1,22 @@
+// TMA descriptors (host) of the Hopper kernels' 16-bit row-major operands.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace dmattn::cuda::sm90 {
+
+// `base` viewed as [entries, rows, heads, head_dim] (q, out: [batch, Lq, H, D]; k, v: [distinct
+// batch entries, Lk, Hk, D]), read or written in boxes of 64 columns x 1 head x box_rows rows x
+// 1 entry with the 128-byte swizzle (a box is one SwizzledTile panel); out-of-bounds rows load as
+// zeros and are not stored. cudaErrorNotSupported when the driver or the shape cannot take it
+// (base not 16-byte aligned, a dimension past TMA's limits).
+cudaError_t EncodeRowMajorMap(CUtensorMap* map, const void* base, ElementType dtype,
+                              int64_t entries, int64_t rows, int64_t heads, int64_t head_dim,
+                              int box_rows);
+
+}  // namespace dmattn::cuda::sm90
