@@ -210,6 +210,22 @@ def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> i
     return int(_extension().cuda_forward_splits(tuple(q_shape), tuple(k_shape)))
 
 
+def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...], has_mask: bool = False,
+                        has_bias: bool = False) -> str:
+    """The CUDA forward kernel that a call with these shapes runs on the current device:
+    ``"hopper"`` (the warp-specialised sm_90a kernel), ``"flash2"`` or ``"flash2_split"`` (the
+    FlashAttention-2-class kernel, keys split for small grids). A debugging aid."""
+    return str(_extension().cuda_forward_kernel(tuple(q_shape), tuple(k_shape), has_mask,
+                                                has_bias))
+
+
+def cuda_set_forward_kernel(name: str) -> None:
+    """``"auto"`` (the dispatcher's choice, the default) or ``"flash2"`` (the FlashAttention-2-class
+    forward for every call of this process), for side-by-side measurements and tests. Takes effect
+    at the next call, compiled or not."""
+    _extension().cuda_set_forward_kernel(name)
+
+
 def _cuda_backward_workspaces(opts, num_grads: int):
     def workspaces(arg_shapes, result_shapes):
         q, k, dk = arg_shapes[0], arg_shapes[1], result_shapes[1]

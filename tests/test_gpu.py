@@ -120,6 +120,44 @@ def test_block_order(case):
     check_case(case, IMPL)
 
 
+# Dense calls that the warp-specialised Hopper forward takes (grids large enough not to split
+# their keys): each runs with both forward generations against the float64 reference, and on a
+# Hopper GPU the dispatcher must pick the Hopper kernel.
+HOPPER_CASES = [
+    Case(B=2, Lq=1000, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", causal=True),
+    Case(B=2, Lq=1000, Lk=700, H=8, Hk=1, D=128, dtype="float16", front_end="dpa",
+         q_lens=(1000, 333), kv_lens=(700, 129), window=(100, 20)),
+    Case(B=1, Lq=17, Lk=64, H=2, Hk=1, D=64, dtype="float16", causal=True),
+    Case(B=4, Lq=1100, Lk=1500, H=8, Hk=8, D=64, dtype="bfloat16", causal=True, softcap=30.0),
+    Case(B=2, Lq=300, Lk=257, H=32, Hk=8, D=256, dtype="bfloat16", softcap=20.0),
+]
+
+
+def _hopper_gpu() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flash2"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=cases_ids(HOPPER_CASES))
+def test_forward_generations(case, kernel):
+    if (kernel == "auto" and _hopper_gpu() and case.D in _ffi.cuda_head_dims()
+            and "90a" in _ffi.build_info()["cuda_archs"]):
+        assert _ffi.cuda_forward_kernel(case.q_shape, case.kv_shape) == "hopper"
+    _ffi.cuda_set_forward_kernel(kernel)
+    try:
+        check_case(case, IMPL)
+    finally:
+        _ffi.cuda_set_forward_kernel("auto")
+
+
+def test_forward_kernel_query():
+    assert _ffi.cuda_forward_kernel((1, 1, 8, 128), (1, 4096, 8, 128)) == "flash2_split"
+    mask_kernel = _ffi.cuda_forward_kernel((8, 4096, 16, 128), (8, 4096, 16, 128), has_mask=True)
+    assert mask_kernel == "flash2"
+    with pytest.raises(ValueError, match="forward kernel"):
+        _ffi.cuda_set_forward_kernel("hopper3")
+
+
 def test_default_implementation_uses_cuda():
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
     text = jax.jit(lambda q: flash_dmattn(q, q, q)).lower(q).as_text()

@@ -174,6 +174,18 @@ ForwardKernel ForwardKernelSetting() {
   return static_cast<ForwardKernel>(forward_kernel_setting.load(std::memory_order_relaxed));
 }
 
+bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
+  return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
+         HasHopperForward(s.head_dim) && !s.mask.present && !s.bias.present && num_splits == 1 &&
+         s.seqlen_q > 0 && s.seqlen_k > 0;
+}
+
+const char* ForwardKernelName(const AttentionShape& shape) {
+  const int64_t splits = ForwardSplits(shape);
+  if (HopperForwardTakes(shape, splits)) return "hopper";
+  return splits > 1 ? "flash2_split" : "flash2";
+}
+
 int MultiProcessors() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||

@@ -42,6 +42,14 @@ bool HopperKernels();
 // The forward generation that SetForwardKernel (attention.h) chose for this process.
 ForwardKernel ForwardKernelSetting();
 
+// Head dims with a warp-specialised Hopper forward (sm90/fwd_launch.cuh has their tiles).
+constexpr bool HasHopperForward(int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+// True when, on a Hopper GPU of an sm_90a build, the dispatcher runs the Hopper forward for a
+// call of this shape that splits its keys `num_splits` ways (its pointers allowing TMA).
+bool HopperForwardTakes(const AttentionShape& shape, int64_t num_splits);
+
 // Everything the backward launcher needs beyond the kernel parameter block.
 struct BwdLaunch {
   BwdParams p;

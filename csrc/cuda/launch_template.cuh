@@ -180,25 +180,16 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The forward generation for this call: the warp-specialised Hopper kernel where the device, the
-// build, the head dim and the call's features allow it (SetForwardKernel can force either).
-template <int D>
-bool UseHopperForward(const FwdParams& params) {
-  if constexpr (sm90::FwdConfig<D>::kAvailable) {
-    const ForwardKernel setting = ForwardKernelSetting();
-    return setting != ForwardKernel::kFlash2 && HopperKernels() && sm90::Takes(params);
-  } else {
-    return false;
-  }
-}
-
+// The warp-specialised Hopper forward where the device, the build, the head dim and the call's
+// features allow it (sm90::Takes; SetForwardKernel can force the other), else FlashAttention-2
+// class.
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
 #endif
   if constexpr (sm90::FwdConfig<D>::kAvailable) {
-    if (UseHopperForward<D>(params)) {
+    if (sm90::Takes(params)) {
       const cudaError_t e =
           sm90::RunForward<typename sm90::FwdConfig<D>::Traits, T>(params, stream);
       if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other

@@ -137,6 +137,26 @@ int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
 int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
   return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k));
 }
+
+// The forward kernel a CUDA call with these shapes runs on the current device.
+std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, bool has_mask,
+                              bool has_bias) {
+  dmattn::AttentionShape shape = ForwardShape(q, k);
+  shape.mask.present = has_mask;
+  shape.bias.present = has_bias;
+  return dmattn::cuda::ForwardKernelName(shape);
+}
+
+void CudaSetForwardKernel(const std::string& name) {
+  using dmattn::cuda::ForwardKernel;
+  if (name == "auto") {
+    dmattn::cuda::SetForwardKernel(ForwardKernel::kAuto);
+  } else if (name == "flash2") {
+    dmattn::cuda::SetForwardKernel(ForwardKernel::kFlash2);
+  } else {
+    throw std::invalid_argument("forward kernel must be 'auto' or 'flash2', not '" + name + "'");
+  }
+}
 #endif
 
 }  // namespace
@@ -154,5 +174,11 @@ NB_MODULE(_dmattn, m) {
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
         "Bytes of the CUDA forward's workspace (query-block order, split-KV partials).");
+  m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "has_mask"_a, "has_bias"_a,
+        "The CUDA forward kernel for these shapes on the current device: 'hopper', 'flash2' "
+        "or 'flash2_split'.");
+  m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,
+        "'auto' (the dispatcher's choice) or 'flash2' (the FlashAttention-2-class forward "
+        "everywhere), for the whole process: side-by-side measurements and tests.");
 #endif
 }

@@ -247,7 +247,7 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   detail::wgmma_wait<0>();
   detail::fence_operands(o);
   th.release(bar.v_empty(pv.slot));
-  th.release(bar.q_empty());
+  if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
 }
 
 }  // namespace dmattn::cuda::sm90

@@ -1,7 +1,8 @@
 // Epilogue of the Hopper forward: one consumer warpgroup normalises its 64 rows of O and writes
 // them with lse. A bf16 / fp16 out goes through shared memory and leaves by one TMA store per
 // 64-column panel (rows past Lq are clipped by the tensor map); a float32 out (the backward's
-// residual) is stored straight from the registers.
+// residual) is stored straight from the registers. Where O is staged in Q's tile, the tile is
+// released to the producer once the store has read it.
 #pragma once
 
 #include <cmath>
@@ -12,7 +13,8 @@ namespace dmattn::cuda::sm90 {
 
 template <typename Tr, typename T>
 __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWork& w,
-                                           uint8_t* smem, const ConsumerThread& th,
+                                           uint8_t* smem, const FwdBarriers<Tr>& bar,
+                                           const ConsumerThread& th,
                                            const float (&o)[Tr::D / 2], const RowState& st) {
   using E = detail::Elem<T>;
   const FwdParams& p = P.p;
@@ -54,10 +56,14 @@ __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWor
   named_sync(kEpilogueBarrier + th.wg, 128);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    // TileO::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8 (rows start on 64
+    // elements, so the swizzled chunk bits of the base are free): no address per t to keep.
     const int r = 64 * th.wg + 16 * th.warp + th.g + 8 * half;
+    const int base = TileO::off(r, 2 * th.tq);
 #pragma unroll
     for (int t = 0; t < Tr::NTO; ++t) {
-      *reinterpret_cast<uint32_t*>(so + TileO::off(r, t * 8 + 2 * th.tq)) =
+      const int off = (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);
+      *reinterpret_cast<uint32_t*>(so + off) =
           E::pack(o[4 * t + 2 * half] * inv_l[half], o[4 * t + 2 * half + 1] * inv_l[half]);
     }
   }
@@ -70,6 +76,12 @@ __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWor
                 w.h, th.wg_row0(w.m0), static_cast<int>(w.b));
     }
     detail::bulk_commit();
+    if constexpr (Tr::kOutputInQ) {
+      if (!w.empty()) {  // Q's tile is free once the store has read it: the warpgroup's 4 warps
+        detail::bulk_wait_read();
+        mbar_arrive(bar.q_empty(), 4);
+      }
+    }
   }
 }
 

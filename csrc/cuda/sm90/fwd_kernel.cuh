@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       consume_tile<Tr, T>(P, w, detail::smem_u32(smem), bar, ring, q_parity, th, o, st);
       q_parity ^= 1;
     }
-    store_tile<Tr, T>(P, w, smem, th, o, st);
+    store_tile<Tr, T>(P, w, smem, bar, th, o, st);
   }
   // The last turn handed to the first consumer is taken, so no barrier is left half-arrived.
   if (th.wg == 0) take_turn<Tr::kConsumers>(th.wg);

@@ -9,15 +9,11 @@
 
 namespace dmattn::cuda::sm90 {
 
-// Head dims with a Hopper forward tile, and the tile.
+// The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h).
 template <int D>
 struct FwdConfig {
-  static constexpr bool kAvailable = false;
-};
-template <>
-struct FwdConfig<128> {
-  static constexpr bool kAvailable = true;
-  using Traits = FwdTraits<128, 128>;
+  static constexpr bool kAvailable = HasHopperForward(D);
+  using Traits = FwdTraits<D, D <= 128 ? 128 : 64>;
 };
 
 // Distinct batch entries of k / v (1 when broadcast over every batch dim).
@@ -40,12 +36,12 @@ inline int64_t HeadsSharingL2(const AttentionShape& s) {
   return heads < 1 ? 1 : heads;
 }
 
-// True when the Hopper forward takes this call (no mask or bias yet, no key splits, operands
-// TMA can address); the FlashAttention-2-class forward runs the rest.
+// True when the Hopper forward takes this call (HopperForwardTakes: no mask or bias yet, no
+// key splits) and TMA can address its operands; the FlashAttention-2-class forward runs the rest.
 inline bool Takes(const FwdParams& p) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return p.mask == nullptr && p.bias == nullptr && p.num_splits == 1 && aligned(p.q) &&
-         aligned(p.k) && aligned(p.v) && aligned(p.out) && p.s.seqlen_q > 0 && p.s.seqlen_k > 0;
+  return HopperForwardTakes(p.s, p.num_splits) && aligned(p.q) && aligned(p.k) &&
+         aligned(p.v) && aligned(p.out);
 }
 
 template <typename Tr, typename T>

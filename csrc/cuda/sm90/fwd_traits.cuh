@@ -37,8 +37,12 @@ struct FwdTraits {
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
-  static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
-  static constexpr uint32_t kOffBarriers = kOffO + kQBytes;
+  // O is staged in a tile of its own where it fits (the next tile's Q then loads during the
+  // epilogue), else in Q's tile, which is released only once the store has read it (D = 256).
+  static constexpr bool kOutputInQ = kOffV + (kStages + 1) * kKVBytes + kQBytes > 227 * 1024;
+  static constexpr uint32_t kOffO = kOutputInQ ? kOffQ : kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kOffBarriers =
+      kOutputInQ ? kOffV + kStages * kKVBytes : kOffO + kQBytes;
   // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot
   static constexpr int kBarriers = 2 + 4 * kStages;
   static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;

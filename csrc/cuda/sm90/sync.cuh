@@ -38,6 +38,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   DMATTN_SM90A_ONLY(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar))
                                  : "memory");)
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar, uint32_t count) {
+  DMATTN_SM90A_ONLY(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                                     smem_u32(bar)),
+                                 "r"(count)
+                                 : "memory");)
+}
 // One arrival that also announces `bytes` of TMA traffic for the current phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   DMATTN_SM90A_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
