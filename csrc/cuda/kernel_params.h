@@ -41,6 +41,9 @@ struct FwdParams {
   // kernels of block_order.cuh before the forward reads it (block_weight: their scratch, as big).
   int32_t* block_order;
   int32_t* block_weight;
+  // The Hopper forward's tile counter (sm90/fwd_scheduler.cuh), zeroed by its launcher; null
+  // when the workspace has no room for it.
+  int* tile_counter;
   // Split-KV when num_splits > 1: split s of a query block covers key blocks [s * split_blocks,
   // (s + 1) * split_blocks) and writes its normalised partial output and lse (fp32) to
   // o_partial [splits, B * H, Lq, D] and lse_partial [splits, B * H, Lq]; the combine kernel

@@ -233,9 +233,13 @@ int64_t ForwardSplits(const AttentionShape& s) {
   return 1;
 }
 
+// The forward's workspace: [tile counter][query-block order][split partials].
+constexpr int64_t kTileCounterBytes = 256;
+
 int64_t ForwardWorkspaceBytes(const AttentionShape& shape) {
   const int64_t splits = ForwardSplits(shape);
-  return BlockOrderBytes(QueryBlocks(shape)) + (splits > 1 ? splits * SplitBytes(shape) : 0);
+  return kTileCounterBytes + BlockOrderBytes(QueryBlocks(shape)) +
+         (splits > 1 ? splits * SplitBytes(shape) : 0);
 }
 
 bool SupportsHeadDim(int64_t head_dim) {
@@ -295,10 +299,15 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   if (!p.bias) p.s.bias.present = false;
   if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
   p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
-  // The workspace ([block order][split partials]) was sized at trace time by the same rules;
-  // no order and fewer splits if it came out smaller.
+  // The workspace ([tile counter][block order][split partials]) was sized at trace time by the
+  // same rules; no counter, no order and fewer splits if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
+  if (workspace_bytes >= kTileCounterBytes) {
+    p.tile_counter = reinterpret_cast<int*>(workspace);
+    workspace += kTileCounterBytes;
+    workspace_bytes -= kTileCounterBytes;
+  }
   TakeBlockOrder(QueryBlocks(shape), 0, &workspace, &workspace_bytes, &p.block_order,
                  &p.block_weight);
   const int64_t split_bytes = SplitBytes(shape);

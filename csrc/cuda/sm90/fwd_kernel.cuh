@@ -4,7 +4,7 @@
 //   warpgroups 1..    consumers (fwd_consumer.cuh): GEMM -> visibility -> online softmax -> GEMM
 //                     on 64 query rows each, then the epilogue (fwd_epilogue.cuh)
 //
-// Both roles walk the same tiles in the same order (fwd_scheduler.cuh). The producer gives its
+// The producer draws the tiles and passes them to the consumers (fwd_scheduler.cuh). The producer gives its
 // registers to the consumers (setmaxnreg). Dense attention with lengths, causal / window,
 // GQA, softcap and lse; calls with a mask or bias, or split-KV, take the FlashAttention-2-class
 // forward (the dispatcher in launch_template.cuh decides).
@@ -21,6 +21,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if defined(DMATTN_WGMMA)
   extern __shared__ __align__(1024) uint8_t smem[];
   const FwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
+  const TileQueue<Tr::kTileSlots> queue{reinterpret_cast<int64_t*>(smem + Tr::kOffTileSlots),
+                                        bar.tile_full(), bar.tile_empty()};
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
     mbar_init(bar.q_empty(), Tr::kReleaseArrivals);
@@ -30,13 +32,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar.v_full(slot), 1);
       mbar_init(bar.v_empty(slot), Tr::kReleaseArrivals);
     }
+    for (int slot = 0; slot < Tr::kTileSlots; ++slot) {
+      mbar_init(queue.full + slot, 1);
+      mbar_init(queue.empty + slot, Tr::kReleaseArrivals);
+    }
     mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     release_registers<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) produce<Tr>(P, smem, bar);
+    if (threadIdx.x == 0) produce<Tr>(P, smem, bar, queue);
     return;
   }
   claim_registers<Tr::kConsumerRegs>();
@@ -44,10 +50,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // The first consumer takes the first turn at the tensor cores.
   if (th.wg == Tr::kConsumers - 1) pass_turn<Tr::kConsumers>(th.wg);
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kTileSlots> queued;
   uint32_t q_parity = 0;
   float o[Tr::D / 2];
   RowState st;
-  for (int64_t t = blockIdx.x; t < P.order.tiles; t += gridDim.x) {
+  for (int64_t t = queue.pop(queued, th.lane); t < P.order.tiles; t = queue.pop(queued, th.lane)) {
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
     if (w.empty()) {
 #pragma unroll

@@ -9,11 +9,13 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h).
+// The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h): at
+// D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
+// larger head dims, hides under two others' GEMMs.
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
-  using Traits = FwdTraits<D, D <= 128 ? 128 : 64>;
+  using Traits = FwdTraits<D, D <= 128 ? 128 : 64, D == 64 ? 3 : 2>;
 };
 
 // Distinct batch entries of k / v (1 when broadcast over every batch dim).
@@ -53,6 +55,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   P.order.heads = s.batch_count() * s.num_heads;
   P.order.tiles = P.order.heads * P.order.m_blocks;
   P.order.group_heads = HeadsSharingL2(s);
+  P.order.counter = params.tile_counter;
   if (P.order.tiles == 0) return cudaSuccess;
   P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
   const int64_t kv_entries = KvEntries(s);
@@ -76,6 +79,12 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
                                             Tr::kSmem);
       e2 != cudaSuccess) {
     return e2;
+  }
+  if (P.order.counter != nullptr) {
+    if (cudaError_t e3 = cudaMemsetAsync(P.order.counter, 0, sizeof(int), stream);
+        e3 != cudaSuccess) {
+      return e3;
+    }
   }
   const int64_t sms = MultiProcessors();
   const unsigned grid = static_cast<unsigned>(P.order.tiles < sms ? P.order.tiles : sms);

@@ -16,6 +16,7 @@ struct TileOrder {
   int64_t heads = 0;         // (batch, head) pairs
   int64_t group_heads = 1;   // pairs whose K / V fit the L2 cache together
   int m_blocks = 0;
+  int* counter = nullptr;  // tiles taken after each CTA's first (zeroed), or null: stride
 };
 
 struct FwdParamsSm90 {

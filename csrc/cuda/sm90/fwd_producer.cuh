@@ -1,7 +1,8 @@
 // Producer of the Hopper forward: one thread issues the TMA loads of every tile the CTA runs,
 // Q once per tile, then K and V of each visible key block (last to first) into the ring's slots,
-// each load waiting for its slot to be released by the consumers. It runs ahead across tiles:
-// the next tile's Q and first blocks load while the consumers finish the current one.
+// each load waiting for its slot to be released by the consumers. It draws the tiles and hands
+// them to the consumers (fwd_scheduler.cuh), running ahead across tiles: the next tile's Q and
+// first blocks load while the consumers finish the current one.
 #pragma once
 
 #include "cuda/sm90/fwd_scheduler.cuh"
@@ -12,14 +13,18 @@ namespace dmattn::cuda::sm90 {
 
 template <typename Tr>
 __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
-                                        const FwdBarriers<Tr>& bar) {
+                                        const FwdBarriers<Tr>& bar,
+                                        const TileQueue<Tr::kTileSlots>& queue) {
   constexpr int BM = Tr::BM, BN = Tr::BN;
   tma_prefetch_descriptor(&P.q_map);
   tma_prefetch_descriptor(&P.k_map);
   tma_prefetch_descriptor(&P.v_map);
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kTileSlots> queued;
   uint32_t q_parity = 0;
-  for (int64_t t = blockIdx.x; t < P.order.tiles; t += gridDim.x) {
+  for (int64_t t = blockIdx.x;; t = next_tile(P.order, t)) {
+    queue.push(queued, t);
+    if (t >= P.order.tiles) break;
     const TileWork w = tile_work<BM, BN>(P, t);
     if (w.empty()) continue;
     const int kv_entry = static_cast<int>(P.p.s.kv_offset(w.b, 0) / P.kv_entry_elems);

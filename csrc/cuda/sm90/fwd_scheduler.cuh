@@ -1,14 +1,22 @@
-// Persistent tile scheduler of the Hopper forward: one CTA per SM walks the tiles t = blockIdx.x,
-// + gridDim.x, ... of one fixed order, which the producer and the consumers of a CTA both follow.
+// Persistent tile scheduler of the Hopper forward: one CTA per SM takes tiles (batch, head,
+// query block) of one fixed order until none is left.
 //
 // The order: (batch, head) pairs in groups of `group_heads`, a group's K / V small enough to stay
 // in L2 while all its tiles run (otherwise 132 CTAs on 132 different heads would each stream
 // their K / V from memory); within a group the query blocks from the last to the first (under
-// causality the last has the most keys, so the heaviest tiles start first and the light ones
-// fill the tail), heads innermost.
+// causality the last has the most keys: the heaviest tiles start first and the light ones fill
+// the tail), heads innermost.
+//
+// Each CTA starts at tile blockIdx.x; its next tile is the next one of a global counter (an
+// atomic in the forward's workspace, zeroed by the launcher), so a CTA that finishes early takes
+// more tiles: a greedy, longest-first schedule. Without the counter, the CTAs stride the order
+// by gridDim.x. The producer draws the tiles and hands each to the consumers through a two-slot
+// queue in shared memory (TileQueue).
 #pragma once
 
+#include "cuda/kernel_utils.cuh"
 #include "cuda/sm90/fwd_params.h"
+#include "cuda/sm90/sync.cuh"
 
 namespace dmattn::cuda::sm90 {
 
@@ -27,11 +35,36 @@ __device__ __forceinline__ FwdTile tile_at(const TileOrder& o, int64_t t) {
   return {o.m_blocks - 1 - static_cast<int>(block_rank), first + (i - block_rank * heads)};
 }
 
-}  // namespace dmattn::cuda::sm90
+// The producer's next tile after t.
+__device__ __forceinline__ int64_t next_tile(const TileOrder& o, int64_t t) {
+  if (o.counter == nullptr) return t + gridDim.x;
+  return static_cast<int64_t>(atomicAdd(o.counter, 1)) + gridDim.x;
+}
 
-#include "cuda/kernel_utils.cuh"
+// Tiles from the producer to the consumers: slot i holds a tile index once full[i] completes;
+// every consumer warp releases it through empty[i]. An index past the last tile ends the loop.
+template <int kSlots>
+struct TileQueue {
+  int64_t* tiles;    // [kSlots]
+  uint64_t* full;    // [kSlots], one arrival (the producer)
+  uint64_t* empty;   // [kSlots], one arrival per consumer warp
 
-namespace dmattn::cuda::sm90 {
+  __device__ __forceinline__ void push(RingPos<kSlots>& pos, int64_t t) const {
+    mbar_wait(empty + pos.slot, pos.parity ^ 1);
+    tiles[pos.slot] = t;
+    mbar_arrive(full + pos.slot);
+    pos.advance();
+  }
+  // The next tile; each consumer warp's lane 0 releases the slot once the warp has read it.
+  __device__ __forceinline__ int64_t pop(RingPos<kSlots>& pos, int lane) const {
+    mbar_wait(full + pos.slot, pos.parity);
+    const int64_t t = tiles[pos.slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + pos.slot);
+    pos.advance();
+    return t;
+  }
+};
 
 // What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
 // [keys.lo, keys.hi) that lengths and the diagonal / window rule leave visible to some of them.

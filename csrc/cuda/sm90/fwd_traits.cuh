@@ -12,17 +12,17 @@
 
 namespace dmattn::cuda::sm90 {
 
-template <int D_, int BN_>
+template <int D_, int BN_, int kConsumers_ = 2>
 struct FwdTraits {
-  static constexpr int D = D_, BN = BN_;
-  static constexpr int kConsumers = 2;
+  static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
-  // setmaxnreg budgets: 24 + 2 x 240 registers per thread slot fill the SM's 64K registers
+  // setmaxnreg budgets per thread: 24 + 2 x 240 or 32 + 3 x 160 fill the SM's 64K registers
   // (128 threads per warpgroup).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 512, "register file");
 
   static constexpr int kPanels = D / 64;                     // 64-column panels of a tile
@@ -43,9 +43,12 @@ struct FwdTraits {
   static constexpr uint32_t kOffO = kOutputInQ ? kOffQ : kOffV + kStages * kKVBytes;
   static constexpr uint32_t kOffBarriers =
       kOutputInQ ? kOffV + kStages * kKVBytes : kOffO + kQBytes;
-  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot
-  static constexpr int kBarriers = 2 + 4 * kStages;
-  static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;
+  // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot, then the tile queue's
+  // full and empty per slot (fwd_scheduler.cuh), then the queue's tile indices
+  static constexpr int kTileSlots = 2;
+  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kTileSlots;
+  static constexpr uint32_t kOffTileSlots = kOffBarriers + kBarriers * 8;
+  static constexpr uint32_t kSmem = kOffTileSlots + kTileSlots * 8;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0,
                 "operands on 1024-byte boundaries (the swizzle is a function of the address)");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
@@ -70,11 +73,15 @@ struct FwdBarriers {
   __device__ __forceinline__ uint64_t* v_empty(int slot) const {
     return base + 2 + 3 * Tr::kStages + slot;
   }
+  __device__ __forceinline__ uint64_t* tile_full() const { return base + 2 + 4 * Tr::kStages; }
+  __device__ __forceinline__ uint64_t* tile_empty() const {
+    return base + 2 + 4 * Tr::kStages + Tr::kTileSlots;
+  }
 };
 
 // Named barrier ids (0 is __syncthreads'): the consumers' turns at issuing wgmmas, and each
 // consumer warpgroup's epilogue.
-constexpr int kTurnBarrier = 1;                     // + consumer index
-constexpr int kEpilogueBarrier = 1 + 4;             // + consumer index
+constexpr int kTurnBarrier = 1;       // + consumer index
+constexpr int kEpilogueBarrier = 4;   // + consumer index
 
 }  // namespace dmattn::cuda::sm90
