@@ -1,13 +1,18 @@
-"""GPU: the dense forward of jax_dmattn side by side with cuDNN and Pallas Mosaic GPU.
+"""GPU: the forward of jax_dmattn side by side with cuDNN and Pallas Mosaic GPU (issue 22).
 
-DESIGN.md §5's dense suite (B·L = 16k tokens, H·D = 2048, D ∈ {64, 128, 256}, L ∈ {4k, 16k},
-causal and not), forward only, each implementation timed in this one process on the same inputs
-(bf16; fp16 for the Pallas Mosaic-GPU kernel, which its authors tune for fp16): back to back,
-20 calls then one ``block_until_ready``, best of 3 after warm-up. Columns: jax_dmattn with the
-dispatcher's choice (the warp-specialised Hopper kernel where it takes the call), jax_dmattn with
-the FlashAttention-2-class kernel forced, cuDNN (``jax.nn.dot_product_attention``) and
-``jax.experimental.pallas.ops.gpu.attention_mgpu`` (its best of a few block sizes). Every output
-is checked against cuDNN's before it is timed.
+Each implementation is timed in this one process on the same inputs (bf16; fp16 for the Pallas
+Mosaic-GPU kernel, which its authors tune for fp16): back to back, 20 calls then one
+``block_until_ready``, best of 3 after warm-up. Columns: jax_dmattn with the dispatcher's choice
+(the warp-specialised Hopper kernel where it takes the call), jax_dmattn with the
+FlashAttention-2-class kernel forced, cuDNN (``jax.nn.dot_product_attention``) and
+``jax.experimental.pallas.ops.gpu.attention_mgpu`` (its best of a few block sizes; dense only).
+Every output is checked against cuDNN's (or, where cuDNN has no such call, the FA2-class
+kernel's) before it is timed.
+
+Workloads: DESIGN.md §5's dense suite (B·L = 16k tokens, H·D = 2048, D ∈ {64, 128, 256},
+L ∈ {4k, 16k}, causal and not); the full [B, H, L, L] bias + 50 % random mask, causal, D128 L4k
+B4 H16; a 10 % block-density mask [1, 1, L, L] (128 × 128 blocks), L16k H16 D128, against the
+same call without a mask; ``dynamic_attention`` (L16k, W1024, D128, B1 H2 Hk1).
 
     python benchmarks/hopper_forward.py [--quick] [--out benchmarks/results]
 """
@@ -27,10 +32,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from gpu_suites import block_mask
 
 import jax_dmattn
 from jax_dmattn import _ffi
 from jax_dmattn._timing import attention_flops
+from jax_dmattn.dynamic import dynamic_attention
 
 CALLS, REPEATS = 20, 3
 IMPLS = ("ours", "ours_flash2", "cudnn", "pallas_mgpu")
@@ -101,11 +108,13 @@ def run_case(case: dict) -> dict:
         row[f"{name}_err"] = relative_error(fn(*args), reference) if name != "cudnn" else 0.0
         row[f"{name}_ms"] = back_to_back_ms(fn, *args)
     _ffi.cuda_set_forward_kernel("flash2")
+    jax.clear_caches()  # an executable's CUDA graph cannot change kernels between calls
     try:
         row["ours_flash2_err"] = relative_error(ours(q, k, v), reference)
         row["ours_flash2_ms"] = back_to_back_ms(ours, q, k, v)
     finally:
         _ffi.cuda_set_forward_kernel("auto")
+        jax.clear_caches()
     # the Pallas kernel applies no softmax scale: q comes scaled by 1/sqrt(D)
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q * d**-0.5, k, v))
     pallas = pallas_forward(causal, d, q16, k16, v16)
@@ -119,12 +128,107 @@ def run_case(case: dict) -> dict:
     return row
 
 
+def timed_pair(fn: Callable, args: tuple, reference: jax.Array | None) -> dict:
+    """fn's time and error with the dispatcher's choice and with the FA2-class forward forced,
+    each compiled afresh (an executable's CUDA graph cannot change kernels between calls)."""
+    row = {}
+    for kernel, name in (("auto", "ours"), ("flash2", "ours_flash2")):
+        _ffi.cuda_set_forward_kernel(kernel)
+        jax.clear_caches()
+        try:
+            out = fn(*args)
+            if reference is None:
+                reference = out
+            row[f"{name}_err"] = relative_error(out, reference)
+            row[f"{name}_ms"] = back_to_back_ms(fn, *args)
+        finally:
+            _ffi.cuda_set_forward_kernel("auto")
+    return row
+
+
+def masked_rows(quick: bool) -> list[dict]:
+    """The masked workloads: bias + 50 % mask vs cuDNN, 10 % block density vs our dense forward,
+    dynamic_attention."""
+    rows = []
+    b, length, h, d = (1, 1024, 4, 128) if quick else (4, 4096, 16, 128)
+    keys = jax.random.split(jax.random.PRNGKey(7), 5)
+    q, k, v = (jax.random.normal(key, (b, length, h, d), jnp.bfloat16) for key in keys[:3])
+    shape = (b, h, length, length)
+    bias = jax.random.normal(keys[3], shape, jnp.bfloat16)
+    mask = jax.random.bernoulli(keys[4], 0.5, shape) | jnp.eye(length, dtype=bool)
+    ours = jax.jit(lambda q, k, v, m, bias: jax_dmattn.flash_dmattn(
+        q, k, v, m, bias, is_causal=True, implementation="cuda"))
+    cudnn = jax.jit(lambda q, k, v, m, bias: jax.nn.dot_product_attention(
+        q, k, v, bias, m, is_causal=True, implementation="cudnn"))
+    args = (q, k, v, mask, bias)
+    reference = cudnn(*args)
+    row = dict(workload=f"bias + 50 % mask [B,H,L,L] causal D{d} L{length // 1024}k B{b} H{h}",
+               kernel=_ffi.cuda_forward_kernel(q.shape, k.shape, True, True),
+               cudnn_ms=back_to_back_ms(cudnn, *args), **timed_pair(ours, args, reference))
+    rows.append(row)
+    del bias, mask, args
+    jax.clear_caches()
+
+    length, h = (4096, 4) if quick else (16384, 16)
+    keys = jax.random.split(jax.random.PRNGKey(8), 3)
+    q, k, v = (jax.random.normal(key, (1, length, h, d), jnp.bfloat16) for key in keys)
+    dense = jax.jit(lambda q, k, v: jax_dmattn.flash_dmattn(q, k, v, implementation="cuda"))
+    dense_ms = back_to_back_ms(dense, q, k, v)
+    sparse_mask = block_mask(length, 0.1, 128, seed=3)
+    sparse = jax.jit(lambda q, k, v, m: jax_dmattn.flash_dmattn(q, k, v, m,
+                                                                  implementation="cuda"))
+    row = dict(workload=f"10 % block mask [1,1,L,L] D{d} L{length // 1024}k B1 H{h}",
+               kernel=_ffi.cuda_forward_kernel(q.shape, k.shape, True, False),
+               dense_ms=dense_ms, **timed_pair(sparse, (q, k, v, sparse_mask), None))
+    rows.append(row)
+    del sparse_mask
+    jax.clear_caches()
+
+    length = 4096 if quick else 16384
+    keys = jax.random.split(jax.random.PRNGKey(9), 4)
+    q = jax.random.normal(keys[0], (1, length, 2, d), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, length, 1, d), jnp.bfloat16) for key in keys[1:3])
+    key_bias = jax.random.normal(keys[3], (1, 1, 1, length), jnp.bfloat16)
+    dynamic = jax.jit(lambda q, k, v, bias: dynamic_attention(q, k, v, bias, 1024,
+                                                              is_causal=True,
+                                                              implementation="cuda"))
+    rows.append(dict(workload=f"dynamic_attention W1024 D{d} L{length // 1024}k B1 H2 Hk1",
+                     kernel="(its own calls)",
+                     **timed_pair(dynamic, (q, k, v, key_bias), None)))
+    for row in rows:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)
+    return rows
+
+
 def environment() -> dict:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     return dict(gpu=smi, jax=jax.__version__, python=platform.python_version(),
                 date=datetime.date.today().isoformat(),
                 command="python " + shlex.join(["benchmarks/hopper_forward.py", *sys.argv[1:]]))
+
+
+def masked_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "## Masked workloads",
+        "",
+        "ms back to back; `×` = the other column's time / jax_dmattn's (dispatcher's choice).",
+        "",
+        "| workload | kernel | jax_dmattn ms | FA2-class fwd ms (×) | cuDNN ms (×) | "
+        "dense jax_dmattn ms (fraction) | max rel. err |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = r["ours_ms"]
+        cudnn = f"{r['cudnn_ms']:.3f} ({r['cudnn_ms'] / ms:.2f}×)" if "cudnn_ms" in r else "—"
+        dense = f"{r['dense_ms']:.3f} ({ms / r['dense_ms']:.3f}×)" if "dense_ms" in r else "—"
+        err = max(r.get("ours_err", 0.0), r.get("ours_flash2_err", 0.0))
+        lines.append(f"| {r['workload']} | {r['kernel']} | {ms:.3f} | "
+                     f"{r['ours_flash2_ms']:.3f} ({r['ours_flash2_ms'] / ms:.2f}×) | {cudnn} | "
+                     f"{dense} | {err:.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict], env: dict) -> str:
@@ -159,21 +263,24 @@ def markdown(rows: list[dict], env: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="L = 4k only")
+    parser.add_argument("--quick", action="store_true", help="short sequences only")
+    parser.add_argument("--only", choices=("dense", "masked"), help="one half of the workloads")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     env = environment()
     rows = []
-    for case in dense_cases(args.quick):
+    for case in dense_cases(args.quick) if args.only != "masked" else ():
         row = run_case(case)
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
               flush=True)
         jax.clear_caches()
-    text = markdown(rows, env)
+    masked = masked_rows(args.quick) if args.only != "dense" else []
+    text = markdown(rows, env) + masked_markdown(masked)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hopper_forward.md").write_text(text)
-    (args.out / "hopper_forward.json").write_text(json.dumps(dict(env, rows=rows), indent=1))
+    (args.out / "hopper_forward.json").write_text(
+        json.dumps(dict(env, rows=rows, masked=masked), indent=1))
     print(text)
 
 

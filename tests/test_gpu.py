@@ -144,10 +144,12 @@ def test_forward_generations(case, kernel):
             and "90a" in _ffi.build_info()["cuda_archs"]):
         assert _ffi.cuda_forward_kernel(case.q_shape, case.kv_shape) == "hopper"
     _ffi.cuda_set_forward_kernel(kernel)
+    jax.clear_caches()
     try:
         check_case(case, IMPL)
     finally:
         _ffi.cuda_set_forward_kernel("auto")
+        jax.clear_caches()
 
 
 def test_forward_kernel_query():

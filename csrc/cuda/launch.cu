@@ -174,10 +174,18 @@ ForwardKernel ForwardKernelSetting() {
   return static_cast<ForwardKernel>(forward_kernel_setting.load(std::memory_order_relaxed));
 }
 
+// The Hopper forward reads a mask or bias tile by TMA (sm90/fwd_launch.cuh): rows of whole
+// 16-byte units, not broadcast over keys, at head dims with 128-key blocks.
+bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int64_t elem_bytes) {
+  return !op.present ||
+         (s.head_dim <= 128 && op.col_stride == 1 && (s.seqlen_k * elem_bytes) % 16 == 0);
+}
+
 bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
   return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
-         HasHopperForward(s.head_dim) && !s.mask.present && !s.bias.present && num_splits == 1 &&
-         s.seqlen_q > 0 && s.seqlen_k > 0;
+         HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
+         HopperReadsOperand(s, s.bias, 2) && num_splits == 1 && s.seqlen_q > 0 &&
+         s.seqlen_k > 0;
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {

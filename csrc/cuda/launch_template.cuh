@@ -109,8 +109,6 @@ cudaError_t RunBackwardVariant(int, const BwdLaunch&, cudaStream_t) {
 template <>
 cudaError_t RunForwardVariant<64, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
 template <>
-cudaError_t RunForwardVariant<128, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
-template <>
 cudaError_t RunBackwardVariant<64, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
 template <>
 cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
@@ -190,8 +188,13 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #endif
   if constexpr (sm90::FwdConfig<D>::kAvailable) {
     if (sm90::Takes(params)) {
-      const cudaError_t e =
-          sm90::RunForward<typename sm90::FwdConfig<D>::Traits, T>(params, stream);
+      using Config = sm90::FwdConfig<D>;
+      cudaError_t e = cudaErrorNotSupported;
+      if (params.mask == nullptr && params.bias == nullptr) {
+        e = sm90::RunForward<typename Config::Traits, T>(params, stream);
+      } else if constexpr (D <= 128) {
+        e = sm90::RunForward<typename Config::OperandTraits, T>(params, stream);
+      }
       if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other
     }
   }

@@ -789,6 +789,25 @@ std::vector<Case> AllCases() {
     c.dbias_batch = {2}; c.mask = Op({1}, 2, true, true); add(c);
   }
   {
+    // the Hopper forward's mask / bias tiles (key lengths of whole 16-byte mask rows): full
+    // mask with holes and bias, causal; a 10 % block mask with a per-key bias and softcap; a
+    // mask broadcast over queries with a per-head bias, GQA and sequence lengths
+    Case c; c.name = "hopper_mask_bias_d128_q300_k512"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 300; c.Lk = 512; c.D = 128; c.causal = true; c.mask = Op({2}, 4, true, true);
+    c.mask_holes = true; c.bias = Op({2}, 4, true, true); add(c);
+  }
+  {
+    Case c; c.name = "hopper_blocks_perkey_d64_softcap"; c.batch = {2}; c.H = 4; c.Hk = 1;
+    c.Lq = 700; c.Lk = 1024; c.D = 64; c.mask = Op({1}, 1, true, true); c.block_density = 0.3f;
+    c.bias = Op({2}, 1, false, true); c.softcap = 15.f; add(c);
+  }
+  {
+    Case c; c.name = "fp16_hopper_rowmask_bias_d128_seqlens"; c.bf16 = false; c.batch = {2};
+    c.H = 8; c.Hk = 2; c.Lq = 200; c.Lk = 384; c.D = 128; c.mask = Op({2}, 1, false, true);
+    c.bias = Op({1}, 8, true, true); c.seqlens = true; c.q_lens = {200, 150};
+    c.kv_lens = {384, 250}; add(c);
+  }
+  {
     Case c; c.name = "vmap_perkey_bias_d128"; c.batch = {3}; c.kv_batch = {1}; c.dkv_batch = {3};
     c.H = 4; c.Hk = 1; c.Lq = 64; c.Lk = 200; c.D = 128; c.bias = Op({1}, 1, false, true);
     c.dbias_batch = {3}; c.causal = true; add(c);
@@ -887,6 +906,11 @@ std::vector<Case> QuickCases() {
     // the Hopper forward: irregular lengths, causal with Lq < Lk, GQA, sequence lengths
     Case c; c.name = "quick_q17_k129_d128_causal_gqa"; c.batch = {2}; c.H = 4; c.Hk = 2;
     c.Lq = 17; c.Lk = 129; c.D = 128; c.causal = true; v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_q17_k128_d128_mask_bias_causal"; c.H = 2; c.Hk = 1; c.Lq = 17;
+    c.Lk = 128; c.D = 128; c.causal = true; c.mask = Op({1}, 2, true, true);
+    c.bias = Op({1}, 1, false, true); v.push_back(c);
   }
   {
     Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;

@@ -9,28 +9,20 @@ using BF16 = __nv_bfloat16;
 
 int TuningVariants(bool backward, int head_dim) {
   if (backward) return head_dim == 128 ? 7 : (head_dim == 64 ? 2 : 0);
-  return head_dim == 128 ? 4 : (head_dim == 64 ? 1 : 0);
+  return head_dim == 64 ? 1 : 0;
 }
 
-// 1: 64-row tiles.
+// 1: the Hopper forward with two consumer warpgroups (128 query rows, 224 registers each)
+// instead of three (192 rows, 160 registers, some spills), where it takes the call.
+// (The FlashAttention-2-class tiles tried here before are recorded in csrc/cuda/README.md.)
 template <>
 cudaError_t RunForwardVariant<64, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
-  return v == 1 ? RunForwardTiles<FwdTraits<64, 64, 64, 4>, BF16>(p, stream)
-                : cudaErrorNotSupported;
-}
-
-// 1: 128 x 64 (32 rows per warp; spills); 2: 64 x 64. The library's 64 x 128 beat both on every
-// harness benchmark on the H200, and 8 warps of 16 rows at 128 x 64 or 128 x 128 were slower.
-// 3: the library's tile on mma.sync (what sm_80 runs); 4: 64 x 64 (wgmma on sm_90a).
-template <>
-cudaError_t RunForwardVariant<128, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
-  switch (v) {
-    case 1: return RunForwardTiles<FwdTraits<128, 128, 64, 4>, BF16>(p, stream);
-    case 2: return RunForwardTiles<FwdTraits<128, 64, 64, 4, false>, BF16>(p, stream);
-    case 3: return RunForwardTiles<FwdTraits<128, 64, 128, 4, false>, BF16>(p, stream);
-    case 4: return RunForwardTiles<FwdTraits<128, 64, 64, 4>, BF16>(p, stream);
-    default: return cudaErrorNotSupported;
+  if (v != 1) return cudaErrorNotSupported;
+  if (!sm90::Takes(p)) return RunForwardTiles<FwdConfig<64>::Traits, BF16>(p, stream);
+  if (p.mask == nullptr && p.bias == nullptr) {
+    return sm90::RunForward<sm90::FwdTraits<64, 128, 2>, BF16>(p, stream);
   }
+  return sm90::RunForward<sm90::FwdTraits<64, 128, 2, true>, BF16>(p, stream);
 }
 
 }  // namespace dmattn::cuda

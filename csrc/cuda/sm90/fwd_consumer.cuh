@@ -4,16 +4,19 @@
 //   S(n) = Q K(n)^T          wgmma, both operands in shared memory
 //   O   += P(n+1) V(n+1)     wgmma, P from registers: issued right after S(n), so the softmax
 //                            of S(n) runs while the tensor cores work on P V
-//   S(n): softcap, -inf where lengths / the diagonal window hide a key, online softmax -> P(n)
+//   S(n): + bias, softcap, -inf where the mask / lengths / the diagonal window hide a key,
+//         online softmax -> P(n)
 //   O   *= the rescale factor of S(n)'s new row maxima, once P V is done
 //
 // The consumer warpgroups take turns at issuing their two GEMMs (named barriers kTurnBarrier):
 // one warpgroup's softmax runs under the other's GEMMs. Ring slots are released to the producer
-// as soon as the wgmma reading them has completed.
+// as soon as the wgmma reading them has completed. Each warp walks the mask block map as the
+// producer does (block_map.cuh), so all agree on the blocks without a word between them.
 #pragma once
 
 #include <cmath>
 
+#include "cuda/sm90/fwd_producer.cuh"
 #include "cuda/sm90/fwd_scheduler.cuh"
 #include "cuda/sm90/fwd_traits.cuh"
 #include "cuda/sm90/sync.cuh"
@@ -96,16 +99,60 @@ __device__ __forceinline__ void issue_output(float (&o)[Tr::D / 2],
       o);
 }
 
-// softcap, then -inf for keys the lengths or the diagonal window hide from a row (tested per
-// element only in tiles that cross a boundary).
-template <typename Tr>
-__device__ __forceinline__ void hide_invisible(float (&s)[Tr::BN / 2], const FwdParams& p,
-                                               const TileWork& w, const ConsumerThread& th,
-                                               int n) {
-  if (p.softcap > 0.f) {
+// The thread's two rows in the CTA's tile: 64 wg + 16 warp + g (+ 8).
+__device__ __forceinline__ int tile_row(const ConsumerThread& th, int half) {
+  return 64 * th.wg + 16 * th.warp + th.g + 8 * half;
+}
+
+// s += bias / scale from a bias tile (swizzled panels, or one row broadcast over queries).
+template <typename Tr, typename T>
+__device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* bias_tile,
+                                         const FwdParamsSm90& P, const ConsumerThread& th) {
+  using E = detail::Elem<T>;
+  const T* tile = reinterpret_cast<const T*>(bias_tile);
+  const bool one_row = P.bias_tiles.one_row;
 #pragma unroll
-    for (int i = 0; i < Tr::BN / 2; ++i) s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
+  for (int half = 0; half < 2; ++half) {
+    // SwizzledTile<BM, BN>::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8
+    const int base = one_row ? 2 * th.tq
+                             : detail::SwizzledTile<Tr::BM, Tr::BN>::off(tile_row(th, half),
+                                                                          2 * th.tq);
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+      const int off = one_row ? base + 8 * t : (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);
+      const float2 b = E::unpack(*reinterpret_cast<const uint32_t*>(tile + off));
+      s[4 * t + 2 * half] += b.x * P.p.bias_mul;
+      s[4 * t + 2 * half + 1] += b.y * P.p.bias_mul;
+    }
   }
+}
+
+// -inf where a mask tile is false (rows of 128 bytes whose 16-byte chunks are XOR-ed with
+// row % 8, or one row broadcast over queries).
+template <typename Tr>
+__device__ __forceinline__ void apply_mask(float (&s)[Tr::BN / 2], const uint8_t* tile,
+                                           const FwdParamsSm90& P, const ConsumerThread& th) {
+  const bool one_row = P.mask_tiles.one_row;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = tile_row(th, half);
+    const int base = one_row ? 2 * th.tq : r * 128 + ((r & 7) << 4) + 2 * th.tq;
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+      const int off = one_row ? base + 8 * t : (base ^ ((t / 2) << 4)) + 8 * (t & 1);
+      const uint16_t m = *reinterpret_cast<const uint16_t*>(tile + off);
+      if (!(m & 0xff)) s[4 * t + 2 * half] = -INFINITY;
+      if (!(m >> 8)) s[4 * t + 2 * half + 1] = -INFINITY;
+    }
+  }
+}
+
+// -inf for keys the lengths or the diagonal window hide from a row (tested per element only in
+// tiles that cross a boundary).
+template <typename Tr>
+__device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const FwdParams& p,
+                                                   const TileWork& w, const ConsumerThread& th,
+                                                   int n) {
   const detail::Band band = detail::make_band(p.s);
   const int r0 = th.wg_row0(w.m0), n0 = n * Tr::BN;
   const bool crosses = r0 + 64 > w.lens.q_len || n0 + Tr::BN > w.lens.kv_len ||
@@ -128,6 +175,38 @@ __device__ __forceinline__ void hide_invisible(float (&s)[Tr::BN / 2], const Fwd
       }
     }
   }
+}
+
+// S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, softcap,
+// then -inf where the mask, the lengths or the diagonal window hide a key. The bias and mask
+// tiles come from their rings, released here.
+template <typename Tr, typename T>
+__device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdParamsSm90& P,
+                                              const uint8_t* smem, const FwdBarriers<Tr>& bar,
+                                              OperandRings<Tr>& operands, const TileWork& w,
+                                              const ConsumerThread& th, int n, int flags) {
+  const FwdParams& p = P.p;
+  if (Tr::kOperands && p.bias != nullptr) {
+    RingPos<Tr::kBiasStages>& pos = operands.bias;
+    mbar_wait(bar.bias_full(pos.slot), pos.parity);
+    add_bias<Tr, T>(s, smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes, P, th);
+    th.release(bar.bias_empty(pos.slot));
+    pos.advance();
+  }
+  if (p.softcap > 0.f) {
+#pragma unroll
+    for (int i = 0; i < Tr::BN / 2; ++i) {
+      s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
+    }
+  }
+  if (Tr::kOperands && loads_mask(p, flags)) {
+    RingPos<Tr::kMaskStages>& pos = operands.mask;
+    mbar_wait(bar.mask_full(pos.slot), pos.parity);
+    apply_mask<Tr>(s, smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, P, th);
+    th.release(bar.mask_empty(pos.slot));
+    pos.advance();
+  }
+  hide_out_of_bounds<Tr>(s, p, w, th, n);
 }
 
 // s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed
@@ -181,19 +260,23 @@ __device__ __forceinline__ void pack_probabilities(uint32_t (&a)[N / 8][4], cons
   }
 }
 
-// One tile's main loop (non-empty tile: Q loaded into sQ under bar.q_full with parity
-// q_parity). Leaves the unnormalised O and the row state.
-template <typename Tr, typename T>
+// One tile's main loop over the key blocks `walk` yields, from n (flags: its mask flags) on; Q
+// is loaded into sQ under bar.q_full with parity q_parity. Leaves the unnormalised O and the
+// row state.
+template <typename Tr, typename T, typename Walk>
 __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileWork& w,
-                                             uint32_t smem, const FwdBarriers<Tr>& bar,
-                                             RingPos<Tr::kStages>& ring, uint32_t q_parity,
-                                             const ConsumerThread& th, float (&o)[Tr::D / 2],
-                                             RowState& st) {
+                                             Walk& walk, int n, int flags, uint8_t* smem,
+                                             const FwdBarriers<Tr>& bar,
+                                             RingPos<Tr::kStages>& ring,
+                                             OperandRings<Tr>& operands,
+                                             uint32_t q_parity, const ConsumerThread& th,
+                                             float (&o)[Tr::D / 2], RowState& st) {
   constexpr int kC = Tr::kConsumers;
   const FwdParams& p = P.p;
-  const uint32_t sq = smem + Tr::kOffQ + th.wg * 64 * 128;
-  auto k_at = [&](int slot) { return smem + Tr::kOffK + slot * Tr::kKVBytes; };
-  auto v_at = [&](int slot) { return smem + Tr::kOffV + slot * Tr::kKVBytes; };
+  const uint32_t base = detail::smem_u32(smem);
+  const uint32_t sq = base + Tr::kOffQ + th.wg * 64 * 128;
+  auto k_at = [&](int slot) { return base + Tr::kOffK + slot * Tr::kKVBytes; };
+  auto v_at = [&](int slot) { return base + Tr::kOffV + slot * Tr::kKVBytes; };
 #pragma unroll
   for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
   st.reset();
@@ -201,7 +284,6 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   float s[Tr::BN / 2];
   uint32_t pf[Tr::BN / 16][4];
   float corr[2];
-  int n = w.keys.hi - 1;
 
   mbar_wait(bar.q_full(), q_parity);
   mbar_wait(bar.k_full(ring.slot), ring.parity);
@@ -211,13 +293,13 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   detail::wgmma_wait<0>();
   detail::fence_operands(s);
   th.release(bar.k_empty(ring.slot));
-  hide_invisible<Tr>(s, p, w, th, n);
+  finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
   online_softmax(s, st, corr, p.softmax_mul);
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
 
-  for (--n; n >= w.keys.lo; --n) {
+  for (n = walk.next(n - 1, &flags); n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
@@ -228,7 +310,7 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
     detail::wgmma_wait<1>();  // S(n)
     detail::fence_operands(s);
     th.release(bar.k_empty(ring.slot));
-    hide_invisible<Tr>(s, p, w, th, n);
+    finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
     online_softmax(s, st, corr, p.softmax_mul);
 
     detail::wgmma_wait<0>();  // P V

@@ -13,7 +13,7 @@ namespace dmattn::cuda::sm90 {
 
 template <typename Tr, typename T>
 __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWork& w,
-                                           uint8_t* smem, const FwdBarriers<Tr>& bar,
+                                           bool busy, uint8_t* smem, const FwdBarriers<Tr>& bar,
                                            const ConsumerThread& th,
                                            const float (&o)[Tr::D / 2], const RowState& st) {
   using E = detail::Elem<T>;
@@ -72,12 +72,12 @@ __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWor
   if (issuer) {
 #pragma unroll
     for (int panel = 0; panel < Tr::kPanels; ++panel) {
-      tma_store(&P.o_map, smem + Tr::kOffO + panel * Tr::BM * 128 + th.wg * 64 * 128, panel * 64,
+      tma_store(&P.o_tma, smem + Tr::kOffO + panel * Tr::BM * 128 + th.wg * 64 * 128, panel * 64,
                 w.h, th.wg_row0(w.m0), static_cast<int>(w.b));
     }
     detail::bulk_commit();
     if constexpr (Tr::kOutputInQ) {
-      if (!w.empty()) {  // Q's tile is free once the store has read it: the warpgroup's 4 warps
+      if (busy) {  // Q's tile is free once the store has read it: the warpgroup's 4 warps
         detail::bulk_wait_read();
         mbar_arrive(bar.q_empty(), 4);
       }

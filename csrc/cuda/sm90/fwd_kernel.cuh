@@ -6,8 +6,9 @@
 //
 // The producer draws the tiles and passes them to the consumers (fwd_scheduler.cuh). The producer gives its
 // registers to the consumers (setmaxnreg). Dense attention with lengths, causal / window,
-// GQA, softcap and lse; calls with a mask or bias, or split-KV, take the FlashAttention-2-class
-// forward (the dispatcher in launch_template.cuh decides).
+// GQA, softcap, lse, a mask and a bias (tiles skipped from the mask block map); split-KV and the
+// mask / bias layouts TMA cannot read take the FlashAttention-2-class forward (the dispatcher in
+// launch_template.cuh decides).
 #pragma once
 
 #include "cuda/sm90/fwd_epilogue.cuh"
@@ -36,13 +37,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(queue.full + slot, 1);
       mbar_init(queue.empty + slot, Tr::kReleaseArrivals);
     }
+    for (int slot = 0; slot < Tr::kBiasStages; ++slot) {
+      mbar_init(bar.bias_full(slot), 1);
+      mbar_init(bar.bias_empty(slot), Tr::kReleaseArrivals);
+    }
+    for (int slot = 0; slot < Tr::kMaskStages; ++slot) {
+      mbar_init(bar.mask_full(slot), 1);
+      mbar_init(bar.mask_empty(slot), Tr::kReleaseArrivals);
+    }
     mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     release_registers<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) produce<Tr>(P, smem, bar, queue);
+    if (threadIdx.x < 32) produce<Tr>(P, smem, bar, queue);
     return;
   }
   claim_registers<Tr::kConsumerRegs>();
@@ -50,21 +59,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // The first consumer takes the first turn at the tensor cores.
   if (th.wg == Tr::kConsumers - 1) pass_turn<Tr::kConsumers>(th.wg);
   RingPos<Tr::kStages> ring;
+  OperandRings<Tr> operands;
   RingPos<Tr::kTileSlots> queued;
   uint32_t q_parity = 0;
   float o[Tr::D / 2];
   RowState st;
   for (int64_t t = queue.pop(queued, th.lane); t < P.order.tiles; t = queue.pop(queued, th.lane)) {
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
-    if (w.empty()) {
+    KeyWalk<Tr::BM, Tr::BN> walk(P, w);
+    int flags;
+    const int first = walk.first_block(w, &flags);
+    const bool busy = first >= w.keys.lo;  // else no key is visible: zeros and lse -inf
+    if (busy) {
+      consume_tile<Tr, T>(P, w, walk, first, flags, smem, bar, ring, operands, q_parity, th, o,
+                          st);
+      q_parity ^= 1;
+    } else {
 #pragma unroll
       for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
       st.reset();
-    } else {
-      consume_tile<Tr, T>(P, w, detail::smem_u32(smem), bar, ring, q_parity, th, o, st);
-      q_parity ^= 1;
     }
-    store_tile<Tr, T>(P, w, smem, bar, th, o, st);
+    store_tile<Tr, T>(P, w, busy, smem, bar, th, o, st);
   }
   // The last turn handed to the first consumer is taken, so no barrier is left half-arrived.
   if (th.wg == 0) take_turn<Tr::kConsumers>(th.wg);

@@ -12,11 +12,32 @@ namespace dmattn::cuda::sm90 {
 // The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h): at
 // D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
 // larger head dims, hides under two others' GEMMs.
+// Calls with a mask or a bias run the same tile with an operand slot (D <= 128).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
   using Traits = FwdTraits<D, D <= 128 ? 128 : 64, D == 64 ? 3 : 2>;
+  using OperandTraits = FwdTraits<D, 128, D == 64 ? 3 : 2, true>;
 };
+
+// Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch
+// entries, head entries, rows, cols], a broadcast dim of size 1 (columns are never broadcast on
+// this path: HopperForwardTakes).
+struct OperandShape {
+  int64_t batch_entries, head_entries, rows, cols;
+  OperandTiles tiles;
+};
+inline OperandShape OperandShapeOf(const AttentionShape& s, const BroadcastOperand& op) {
+  OperandShape o;
+  o.tiles.per_head = op.head_stride != 0;
+  o.tiles.one_row = op.row_stride == 0;
+  o.head_entries = o.tiles.per_head ? s.num_heads / op.heads_per_entry : 1;
+  o.rows = o.tiles.one_row ? 1 : s.seqlen_q;
+  o.cols = s.seqlen_k;
+  o.tiles.batch_entry_elems = o.head_entries * o.rows * o.cols;
+  o.batch_entries = op.num_elements / o.tiles.batch_entry_elems;
+  return o;
+}
 
 // Distinct batch entries of k / v (1 when broadcast over every batch dim).
 inline int64_t KvEntries(const AttentionShape& s) {
@@ -38,12 +59,13 @@ inline int64_t HeadsSharingL2(const AttentionShape& s) {
   return heads < 1 ? 1 : heads;
 }
 
-// True when the Hopper forward takes this call (HopperForwardTakes: no mask or bias yet, no
-// key splits) and TMA can address its operands; the FlashAttention-2-class forward runs the rest.
+// True when the Hopper forward takes this call (HopperForwardTakes: the head dim, no key
+// splits, mask and bias layouts TMA reads) and TMA can address its operands; the
+// FlashAttention-2-class forward runs the rest.
 inline bool Takes(const FwdParams& p) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return HopperForwardTakes(p.s, p.num_splits) && aligned(p.q) && aligned(p.k) &&
-         aligned(p.v) && aligned(p.out);
+         aligned(p.v) && aligned(p.out) && aligned(p.bias) && aligned(p.mask);
 }
 
 template <typename Tr, typename T>
@@ -60,18 +82,32 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
   const int64_t kv_entries = KvEntries(s);
   const int64_t B = s.batch_count();
-  cudaError_t e = EncodeRowMajorMap(&P.q_map, params.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,
+  cudaError_t e = EncodeRowMajorMap(&P.q_tma, params.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,
                                     Tr::BM);
   if (e == cudaSuccess) {
-    e = EncodeRowMajorMap(&P.k_map, params.k, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
+    e = EncodeRowMajorMap(&P.k_tma, params.k, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
                           Tr::D, Tr::BN);
   }
   if (e == cudaSuccess) {
-    e = EncodeRowMajorMap(&P.v_map, params.v, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
+    e = EncodeRowMajorMap(&P.v_tma, params.v, s.dtype, kv_entries, s.seqlen_k, s.num_kv_heads,
                           Tr::D, Tr::BN);
   }
   if (e == cudaSuccess && !params.out_f32) {
-    e = EncodeRowMajorMap(&P.o_map, params.out, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D, 64);
+    e = EncodeRowMajorMap(&P.o_tma, params.out, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D, 64);
+  }
+  if (e == cudaSuccess && params.bias != nullptr) {
+    const OperandShape o = OperandShapeOf(s, s.bias);
+    P.bias_tiles = o.tiles;
+    e = EncodeOperandMap(&P.bias_tma, params.bias, 2, s.dtype, o.batch_entries, o.head_entries,
+                         o.rows, o.cols, o.tiles.one_row ? Tr::BN : 64,
+                         o.tiles.one_row ? 1 : Tr::BM, !o.tiles.one_row);
+  }
+  if (e == cudaSuccess && params.mask != nullptr) {
+    const OperandShape o = OperandShapeOf(s, s.mask);
+    P.mask_tiles = o.tiles;
+    e = EncodeOperandMap(&P.mask_tma, params.mask, 1, s.dtype, o.batch_entries, o.head_entries,
+                         o.rows, o.cols, Tr::BN, o.tiles.one_row ? 1 : Tr::BM,
+                         !o.tiles.one_row);
   }
   if (e != cudaSuccess) return e;
   auto kernel = fwd_kernel<Tr, T>;

@@ -19,14 +19,32 @@ struct TileOrder {
   int* counter = nullptr;  // tiles taken after each CTA's first (zeroed), or null: stride
 };
 
+// Where the tile of a mask or bias operand lies in its tensor map (tensor_maps.h: [batch
+// entries, head entries, rows, cols]).
+struct OperandTiles {
+  int64_t batch_entry_elems = 1;  // elements per batch entry
+  bool per_head = false;          // one entry per head (group), else broadcast over heads
+  bool one_row = false;           // broadcast over queries: one row per tile
+  __device__ __forceinline__ int batch_coord(const BroadcastOperand& op, const BatchShape& batch,
+                                             int64_t b) const {
+    return static_cast<int>(op.batch.offset(batch, b) / batch_entry_elems);
+  }
+  __device__ __forceinline__ int head_coord(const BroadcastOperand& op, int h) const {
+    return per_head ? static_cast<int>(h / op.heads_per_entry) : 0;
+  }
+};
+
 struct FwdParamsSm90 {
   FwdParams p;
   TileOrder order;
   int64_t kv_entry_elems;  // elements of k (or v) per distinct batch entry: Lk * Hk * D
-  CUtensorMap q_map;
-  CUtensorMap k_map;
-  CUtensorMap v_map;
-  CUtensorMap o_map;  // unused when out is float32
+  OperandTiles bias_tiles, mask_tiles;
+  CUtensorMap q_tma;
+  CUtensorMap k_tma;
+  CUtensorMap v_tma;
+  CUtensorMap o_tma;     // unused when out is float32
+  CUtensorMap bias_tma;  // with a bias
+  CUtensorMap mask_tma;  // with a mask
 };
 
 }  // namespace dmattn::cuda::sm90

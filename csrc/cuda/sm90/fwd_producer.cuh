@@ -1,62 +1,144 @@
-// Producer of the Hopper forward: one thread issues the TMA loads of every tile the CTA runs,
-// Q once per tile, then K and V of each visible key block (last to first) into the ring's slots,
-// each load waiting for its slot to be released by the consumers. It draws the tiles and hands
-// them to the consumers (fwd_scheduler.cuh), running ahead across tiles: the next tile's Q and
-// first blocks load while the consumers finish the current one.
+// Producer of the Hopper forward: one warp walks every tile the CTA runs and its lane 0 issues
+// the TMA loads: Q once per tile, then for each visible key block with a visible mask element
+// (last to first; the mask block map names them, block_map.cuh) K, the bias and mask tiles (the
+// mask tile only where the block is not all true), and V, each into its ring slot once the
+// consumers have released it. It draws the tiles and hands them to the consumers
+// (fwd_scheduler.cuh), running ahead across tiles: the next tile's Q and first blocks load while
+// the consumers finish the current one.
 #pragma once
 
+#include "cuda/block_map.cuh"
 #include "cuda/sm90/fwd_scheduler.cuh"
 #include "cuda/sm90/fwd_traits.cuh"
 #include "cuda/sm90/sync.cuh"
 
 namespace dmattn::cuda::sm90 {
 
+// Key block n loads a mask tile (it has one and is not all true).
+__device__ __forceinline__ bool loads_mask(const FwdParams& p, int flags) {
+  return p.mask != nullptr && !(flags & detail::kTileAll);
+}
+
+// TMA loads of the bias tile, then (unless all true) the mask tile of key block n into their
+// rings' next slots, each once the consumers have released it.
+template <typename Tr>
+__device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* smem,
+                                              const FwdBarriers<Tr>& bar, const TileWork& w,
+                                              int n, int flags, OperandRings<Tr>& rings,
+                                              bool leader) {
+  constexpr int BM = Tr::BM, BN = Tr::BN;
+  const FwdParams& p = P.p;
+  const AttentionShape& s = p.s;
+  if (p.bias != nullptr) {
+    const OperandTiles& o = P.bias_tiles;
+    RingPos<Tr::kBiasStages>& pos = rings.bias;
+    uint64_t* full = bar.bias_full(pos.slot);
+    uint8_t* dst = smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes;
+    mbar_wait(bar.bias_empty(pos.slot), pos.parity ^ 1);
+    if (leader) {
+      const int hc = o.head_coord(s.bias, w.h), bc = o.batch_coord(s.bias, s.batch, w.b);
+      mbar_arrive_expect_tx(full, (o.one_row ? 1 : BM) * BN * 2);
+      if (o.one_row) {
+        tma_load(dst, &P.bias_tma, full, n * BN, 0, hc, bc);
+      } else {
+#pragma unroll
+        for (int panel = 0; panel < BN / 64; ++panel) {
+          tma_load(dst + panel * BM * 128, &P.bias_tma, full, n * BN + panel * 64, w.m0, hc, bc);
+        }
+      }
+    }
+    pos.advance();
+  }
+  if (loads_mask(p, flags)) {
+    const OperandTiles& o = P.mask_tiles;
+    RingPos<Tr::kMaskStages>& pos = rings.mask;
+    mbar_wait(bar.mask_empty(pos.slot), pos.parity ^ 1);
+    if (leader) {
+      mbar_arrive_expect_tx(bar.mask_full(pos.slot), (o.one_row ? 1 : BM) * BN);
+      tma_load(smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, &P.mask_tma,
+               bar.mask_full(pos.slot), n * BN, o.one_row ? 0 : w.m0, o.head_coord(s.mask, w.h),
+               o.batch_coord(s.mask, s.batch, w.b));
+    }
+    pos.advance();
+  }
+}
+
+// A tile with work: its first block n (mask flags `flags`), the rest from `walk`.
+template <typename Tr>
+__device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* smem,
+                                             const FwdBarriers<Tr>& bar, const TileWork& w,
+                                             KeyWalk<Tr::BM, Tr::BN>& walk, int n, int flags,
+                                             RingPos<Tr::kStages>& ring,
+                                             OperandRings<Tr>& operands, uint32_t q_parity,
+                                             bool leader) {
+  constexpr int BM = Tr::BM, BN = Tr::BN;
+  const FwdParams& p = P.p;
+  const int kv_entry = static_cast<int>(p.s.kv_offset(w.b, 0) / P.kv_entry_elems);
+
+  mbar_wait(bar.q_empty(), q_parity ^ 1);
+  if (leader) {
+    mbar_arrive_expect_tx(bar.q_full(), Tr::kQBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      tma_load(smem + Tr::kOffQ + panel * BM * 128, &P.q_tma, bar.q_full(), panel * 64, w.h, w.m0,
+               static_cast<int>(w.b));
+    }
+  }
+
+  for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+    const uint32_t k_slot = Tr::kOffK + ring.slot * Tr::kKVBytes;
+    const uint32_t v_slot = Tr::kOffV + ring.slot * Tr::kKVBytes;
+    mbar_wait(bar.k_empty(ring.slot), ring.parity ^ 1);
+    if (leader) {
+      mbar_arrive_expect_tx(bar.k_full(ring.slot), Tr::kKVBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        tma_load(smem + k_slot + panel * BN * 128, &P.k_tma, bar.k_full(ring.slot), panel * 64,
+                 w.hk, n * BN, kv_entry);
+      }
+    }
+    if constexpr (Tr::kOperands) load_operands<Tr>(P, smem, bar, w, n, flags, operands, leader);
+    mbar_wait(bar.v_empty(ring.slot), ring.parity ^ 1);
+    if (leader) {
+      mbar_arrive_expect_tx(bar.v_full(ring.slot), Tr::kKVBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        tma_load(smem + v_slot + panel * BN * 128, &P.v_tma, bar.v_full(ring.slot), panel * 64,
+                 w.hk, n * BN, kv_entry);
+      }
+    }
+    ring.advance();
+  }
+}
+
+// Run by the whole producer warp (the mask map walk is warp-wide); lane 0 issues.
 template <typename Tr>
 __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
                                         const FwdBarriers<Tr>& bar,
                                         const TileQueue<Tr::kTileSlots>& queue) {
-  constexpr int BM = Tr::BM, BN = Tr::BN;
-  tma_prefetch_descriptor(&P.q_map);
-  tma_prefetch_descriptor(&P.k_map);
-  tma_prefetch_descriptor(&P.v_map);
+  const bool leader = (threadIdx.x & 31) == 0;
+  if (leader) {
+    tma_prefetch_descriptor(&P.q_tma);
+    tma_prefetch_descriptor(&P.k_tma);
+    tma_prefetch_descriptor(&P.v_tma);
+  }
   RingPos<Tr::kStages> ring;
+  OperandRings<Tr> operands;
   RingPos<Tr::kTileSlots> queued;
   uint32_t q_parity = 0;
-  for (int64_t t = blockIdx.x;; t = next_tile(P.order, t)) {
-    queue.push(queued, t);
+  for (int64_t t = blockIdx.x;;) {
+    if (leader) queue.push(queued, t);
     if (t >= P.order.tiles) break;
-    const TileWork w = tile_work<BM, BN>(P, t);
-    if (w.empty()) continue;
-    const int kv_entry = static_cast<int>(P.p.s.kv_offset(w.b, 0) / P.kv_entry_elems);
-
-    mbar_wait(bar.q_empty(), q_parity ^ 1);
-    mbar_arrive_expect_tx(bar.q_full(), Tr::kQBytes);
-#pragma unroll
-    for (int panel = 0; panel < Tr::kPanels; ++panel) {
-      tma_load(smem + Tr::kOffQ + panel * BM * 128, &P.q_map, bar.q_full(), panel * 64, w.h, w.m0,
-               static_cast<int>(w.b));
+    const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+    KeyWalk<Tr::BM, Tr::BN> walk(P, w);
+    int flags;
+    const int first = walk.first_block(w, &flags);
+    if (first >= w.keys.lo) {
+      produce_tile<Tr>(P, smem, bar, w, walk, first, flags, ring, operands, q_parity, leader);
+      q_parity ^= 1;
     }
-    q_parity ^= 1;
-
-    for (int n = w.keys.hi - 1; n >= w.keys.lo; --n) {
-      const uint32_t k_slot = Tr::kOffK + ring.slot * Tr::kKVBytes;
-      const uint32_t v_slot = Tr::kOffV + ring.slot * Tr::kKVBytes;
-      mbar_wait(bar.k_empty(ring.slot), ring.parity ^ 1);
-      mbar_arrive_expect_tx(bar.k_full(ring.slot), Tr::kKVBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        tma_load(smem + k_slot + panel * BN * 128, &P.k_map, bar.k_full(ring.slot), panel * 64,
-                 w.hk, n * BN, kv_entry);
-      }
-      mbar_wait(bar.v_empty(ring.slot), ring.parity ^ 1);
-      mbar_arrive_expect_tx(bar.v_full(ring.slot), Tr::kKVBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        tma_load(smem + v_slot + panel * BN * 128, &P.v_map, bar.v_full(ring.slot), panel * 64,
-                 w.hk, n * BN, kv_entry);
-      }
-      ring.advance();
-    }
+    long long next = leader ? next_tile(P.order, t) : 0;
+    t = __shfl_sync(0xffffffffu, next, 0);
   }
 }
 

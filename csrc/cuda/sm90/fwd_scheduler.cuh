@@ -14,6 +14,7 @@
 // queue in shared memory (TileQueue).
 #pragma once
 
+#include "cuda/block_map.cuh"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/sm90/fwd_params.h"
 #include "cuda/sm90/sync.cuh"
@@ -91,5 +92,20 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   w.keys = detail::visible_key_blocks<BM, BN>(w.lens, detail::make_band(s), w.m0);
   return w;
 }
+
+// The tile's key blocks with a visible mask element (all of them without a mask), from the last
+// to the first (block_map.cuh); warp-wide. first_block(): the first of them, keys.lo - 1 when
+// there is none (the tile then has no work).
+template <int BM, int BN>
+struct KeyWalk {
+  detail::TileWalk<-1, detail::KeyTileFlags<BM, BN>> walk;
+  __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
+      : walk(detail::key_block_walk<BM, BN>(detail::MaskMapView(P.p.mask_map, P.p.s, w.b, w.h),
+                                            P.p.mask != nullptr, w.m0, w.keys.lo)) {}
+  __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
+    return w.empty() ? w.keys.lo - 1 : walk.next(w.keys.hi - 1, flags);
+  }
+  __device__ __forceinline__ int next(int n, int* flags) { return walk.next(n, flags); }
+};
 
 }  // namespace dmattn::cuda::sm90

@@ -10,20 +10,31 @@
 
 #include <cstdint>
 
+#include "cuda/sm90/sync.cuh"
+
 namespace dmattn::cuda::sm90 {
 
-template <int D_, int BN_, int kConsumers_ = 2>
+// kOperands: the CTA has rings for the bias and mask tiles of the key blocks (a call with a
+// mask or a bias), which the producer loads with K.
+template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
+  static constexpr bool kOperands = kOperands_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
-  // setmaxnreg budgets per thread: 24 + 2 x 240 or 32 + 3 x 160 fill the SM's 64K registers
-  // (128 threads per warpgroup).
+  // setmaxnreg budgets per thread: the warpgroups share what the CTA got at launch (the
+  // __launch_bounds__ cap, 65536 / kThreads rounded down to 8, per thread), or setmaxnreg.inc
+  // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). Fewer than 240 for
+  // two consumers cost 5 % at D = 128 (224: H100 harness, dense L4k 0.849 -> 0.890 ms) though
+  // ptxas reports no spill; the producer warp spills a little (its mask map walk and tile
+  // bookkeeping).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 512, "register file");
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <=
+                    (kConsumers + 1) * (65536 / kThreads / 8 * 8),
+                "register budgets within the CTA's launch allocation");
 
   static constexpr int kPanels = D / 64;                     // 64-column panels of a tile
   static constexpr int NTS = BN / 8;                         // 8-column tiles of S
@@ -37,20 +48,33 @@ struct FwdTraits {
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
+  // The operand rings: kBiasStages bias tiles (BM x BN, 16-bit, 64-column panels in the 128-byte
+  // swizzle, or one plain row for a bias broadcast over queries), kMaskStages mask tiles (BM rows
+  // of BN = 128 bytes in the 128-byte swizzle, or one plain row). Two bias tiles do not fit
+  // beside two mask tiles; the mask's second stage hides its loads where every tile is partial.
+  static constexpr int kBiasStages = 1, kMaskStages = 2;
+  static constexpr uint32_t kBiasBytes = kOperands ? BM * BN * 2 : 0;
+  static constexpr uint32_t kMaskBytes = kOperands ? BM * BN : 0;
+  static constexpr uint32_t kOffBias = kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kOffMask = kOffBias + kBiasStages * kBiasBytes;
+  static constexpr uint32_t kEndOperands = kOffMask + kMaskStages * kMaskBytes;
   // O is staged in a tile of its own where it fits (the next tile's Q then loads during the
-  // epilogue), else in Q's tile, which is released only once the store has read it (D = 256).
-  static constexpr bool kOutputInQ = kOffV + (kStages + 1) * kKVBytes + kQBytes > 227 * 1024;
-  static constexpr uint32_t kOffO = kOutputInQ ? kOffQ : kOffV + kStages * kKVBytes;
-  static constexpr uint32_t kOffBarriers =
-      kOutputInQ ? kOffV + kStages * kKVBytes : kOffO + kQBytes;
+  // epilogue), else in Q's tile, which is released only once the store has read it.
+  static constexpr bool kOutputInQ = kEndOperands + kQBytes + 1024 > 227 * 1024;
+  static constexpr uint32_t kOffO = kOutputInQ ? kOffQ : kEndOperands;
+  static constexpr uint32_t kOffBarriers = kOutputInQ ? kEndOperands : kOffO + kQBytes;
   // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot, then the tile queue's
-  // full and empty per slot (fwd_scheduler.cuh), then the queue's tile indices
+  // full and empty per slot (fwd_scheduler.cuh), then bias_full, bias_empty, mask_full,
+  // mask_empty per slot of theirs, then the queue's tile indices
   static constexpr int kTileSlots = 2;
-  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kTileSlots;
+  static constexpr int kBarriers =
+      2 + 4 * kStages + 2 * kTileSlots + 2 * kBiasStages + 2 * kMaskStages;
   static constexpr uint32_t kOffTileSlots = kOffBarriers + kBarriers * 8;
   static constexpr uint32_t kSmem = kOffTileSlots + kTileSlots * 8;
-  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0,
-                "operands on 1024-byte boundaries (the swizzle is a function of the address)");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kBiasBytes % 1024 == 0 &&
+                    kMaskBytes % 1024 == 0,
+                "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
+  static_assert(!kOperands || BN == 128, "mask rows of 128 bytes (one swizzled panel)");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
 
   // Every consumer warp releases a ring slot (and Q) once its wgmmas have read it.
@@ -77,6 +101,25 @@ struct FwdBarriers {
   __device__ __forceinline__ uint64_t* tile_empty() const {
     return base + 2 + 4 * Tr::kStages + Tr::kTileSlots;
   }
+  __device__ __forceinline__ uint64_t* bias_full(int slot) const {
+    return base + 2 + 4 * Tr::kStages + 2 * Tr::kTileSlots + slot;
+  }
+  __device__ __forceinline__ uint64_t* bias_empty(int slot) const {
+    return bias_full(Tr::kBiasStages) + slot;
+  }
+  __device__ __forceinline__ uint64_t* mask_full(int slot) const {
+    return bias_full(2 * Tr::kBiasStages) + slot;
+  }
+  __device__ __forceinline__ uint64_t* mask_empty(int slot) const {
+    return mask_full(Tr::kMaskStages) + slot;
+  }
+};
+
+// The positions in the bias and mask rings (each advances only for blocks that load its tile).
+template <typename Tr>
+struct OperandRings {
+  RingPos<Tr::kBiasStages> bias;
+  RingPos<Tr::kMaskStages> mask;
 };
 
 // Named barrier ids (0 is __syncthreads'): the consumers' turns at issuing wgmmas, and each
