@@ -58,8 +58,7 @@ __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWor
   for (int half = 0; half < 2; ++half) {
     // TileO::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8 (rows start on 64
     // elements, so the swizzled chunk bits of the base are free): no address per t to keep.
-    const int r = 64 * th.wg + 16 * th.warp + th.g + 8 * half;
-    const int base = TileO::off(r, 2 * th.tq);
+    const int base = TileO::off(th.tile_row(half), 2 * th.tq);
 #pragma unroll
     for (int t = 0; t < Tr::NTO; ++t) {
       const int off = (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);

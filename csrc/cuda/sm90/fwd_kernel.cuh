@@ -1,12 +1,12 @@
 // Warp-specialised Hopper forward (FlashAttention-3 style), persistent: one CTA per SM.
 //
-//   warpgroup 0       producer (fwd_producer.cuh): TMA loads of Q, K, V into the ring
-//   warpgroups 1..    consumers (fwd_consumer.cuh): GEMM -> visibility -> online softmax -> GEMM
-//                     on 64 query rows each, then the epilogue (fwd_epilogue.cuh)
+//   warpgroup 0       producer (fwd_producer.cuh): one warp draws the tiles (fwd_scheduler.cuh)
+//                     and TMA-loads Q, K, V, bias and mask tiles into mbarrier rings
+//   warpgroups 1..    consumers (fwd_consumer.cuh): GEMM -> bias / mask / bounds -> online
+//                     softmax -> GEMM on 64 query rows each, then the epilogue (fwd_epilogue.cuh)
 //
-// The producer draws the tiles and passes them to the consumers (fwd_scheduler.cuh). The producer gives its
-// registers to the consumers (setmaxnreg). Dense attention with lengths, causal / window,
-// GQA, softcap, lse, a mask and a bias (tiles skipped from the mask block map); split-KV and the
+// The producer gives its registers to the consumers (setmaxnreg). Lengths, causal / window,
+// GQA, softcap, lse, a mask and a bias (blocks skipped from the mask block map); split-KV and the
 // mask / bias layouts TMA cannot read take the FlashAttention-2-class forward (the dispatcher in
 // launch_template.cuh decides).
 #pragma once

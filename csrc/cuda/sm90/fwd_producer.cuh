@@ -137,7 +137,7 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
       produce_tile<Tr>(P, smem, bar, w, walk, first, flags, ring, operands, q_parity, leader);
       q_parity ^= 1;
     }
-    long long next = leader ? next_tile(P.order, t) : 0;
+    const int64_t next = leader ? next_tile(P.order, t) : 0;
     t = __shfl_sync(0xffffffffu, next, 0);
   }
 }

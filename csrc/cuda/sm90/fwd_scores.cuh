@@ -1,0 +1,205 @@
+// The consumer side of the Hopper forward's scores: which accumulator elements a consumer thread
+// holds, S(n) turned into the softmax's scores (+ bias / scale, softcap, -inf where the mask, the
+// lengths or the diagonal window hide a key), the online softmax, and P packed as the A operand
+// of the P V wgmma. The accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh).
+#pragma once
+
+#include <cmath>
+
+#include "cuda/sm90/fwd_producer.cuh"
+#include "cuda/sm90/fwd_scheduler.cuh"
+#include "cuda/sm90/fwd_traits.cuh"
+#include "cuda/sm90/sync.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+// A consumer thread: warpgroup `wg` of the consumers, its warp in the warpgroup, and the two
+// accumulator rows g and g + 8 of that warp's 16 that it holds (columns 2 tq, 2 tq + 1 of each
+// 8-column tile).
+struct ConsumerThread {
+  int wg, warp, lane, g, tq;
+  __device__ __forceinline__ explicit ConsumerThread(int consumer_tid)
+      : wg(consumer_tid / 128),
+        warp((consumer_tid / 32) % 4),
+        lane(consumer_tid % 32),
+        g((consumer_tid % 32) / 4),
+        tq(consumer_tid % 4) {}
+  // The first of the warpgroup's 64 rows, and this thread's first row, in a tile at m0.
+  __device__ __forceinline__ int wg_row0(int m0) const { return m0 + 64 * wg; }
+  __device__ __forceinline__ int row0(int m0) const { return m0 + 64 * wg + 16 * warp + g; }
+  // This thread's rows (half 0, 1) within the CTA's tile.
+  __device__ __forceinline__ int tile_row(int half) const {
+    return 64 * wg + 16 * warp + g + 8 * half;
+  }
+  // Tells the producer this warp is done with a slot (every warp of every consumer arrives).
+  __device__ __forceinline__ void release(uint64_t* bar) const {
+    if (lane == 0) mbar_arrive(bar);
+  }
+};
+
+// Online softmax state of a thread's two rows: running max (of the accumulator units) and sum.
+struct RowState {
+  float m[2], l[2];
+  __device__ __forceinline__ void reset() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+};
+
+// s += bias / scale from a bias tile (swizzled panels, or one row broadcast over queries).
+template <typename Tr, typename T>
+__device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* bias_tile,
+                                         const FwdParamsSm90& P, const ConsumerThread& th) {
+  using E = detail::Elem<T>;
+  const T* tile = reinterpret_cast<const T*>(bias_tile);
+  const bool one_row = P.bias_tiles.one_row;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // SwizzledTile<BM, BN>::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8
+    const int base = one_row ? 2 * th.tq
+                             : detail::SwizzledTile<Tr::BM, Tr::BN>::off(th.tile_row(half),
+                                                                          2 * th.tq);
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+      const int off = one_row ? base + 8 * t : (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);
+      const float2 b = E::unpack(*reinterpret_cast<const uint32_t*>(tile + off));
+      s[4 * t + 2 * half] += b.x * P.p.bias_mul;
+      s[4 * t + 2 * half + 1] += b.y * P.p.bias_mul;
+    }
+  }
+}
+
+// -inf where a mask tile is false (rows of 128 bytes whose 16-byte chunks are XOR-ed with
+// row % 8, or one row broadcast over queries).
+template <typename Tr>
+__device__ __forceinline__ void apply_mask(float (&s)[Tr::BN / 2], const uint8_t* tile,
+                                           const FwdParamsSm90& P, const ConsumerThread& th) {
+  const bool one_row = P.mask_tiles.one_row;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = th.tile_row(half);
+    const int base = one_row ? 2 * th.tq : r * 128 + ((r & 7) << 4) + 2 * th.tq;
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+      const int off = one_row ? base + 8 * t : (base ^ ((t / 2) << 4)) + 8 * (t & 1);
+      const uint16_t m = *reinterpret_cast<const uint16_t*>(tile + off);
+      if (!(m & 0xff)) s[4 * t + 2 * half] = -INFINITY;
+      if (!(m >> 8)) s[4 * t + 2 * half + 1] = -INFINITY;
+    }
+  }
+}
+
+// -inf for keys the lengths or the diagonal window hide from a row (tested per element only in
+// tiles that cross a boundary).
+template <typename Tr>
+__device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const FwdParams& p,
+                                                   const TileWork& w, const ConsumerThread& th,
+                                                   int n) {
+  const detail::Band band = detail::make_band(p.s);
+  const int r0 = th.wg_row0(w.m0), n0 = n * Tr::BN;
+  const bool crosses = r0 + 64 > w.lens.q_len || n0 + Tr::BN > w.lens.kv_len ||
+                       n0 - (r0 + 63) < band.dmin || n0 + Tr::BN - 1 - r0 > band.dmax;
+  if (!crosses) return;
+  // Row i sees keys [lo, hi): as offsets from this thread's first column n0 + 2 tq.
+  const int c0 = n0 + 2 * th.tq;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = th.row0(w.m0) + 8 * half;
+    const bool row_exists = i < w.lens.q_len;
+    const int lo = max(0, i + band.dmin) - c0;
+    const int hi = row_exists ? min(w.lens.kv_len, i + band.dmax + 1) - c0 : lo;
+#pragma unroll
+    for (int t = 0; t < Tr::NTS; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * t + e;
+        if (col < lo || col >= hi) s[4 * t + 2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, softcap,
+// then -inf where the mask, the lengths or the diagonal window hide a key. The bias and mask
+// tiles come from their rings, released here.
+template <typename Tr, typename T>
+__device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdParamsSm90& P,
+                                              const uint8_t* smem, const FwdBarriers<Tr>& bar,
+                                              OperandRings<Tr>& operands, const TileWork& w,
+                                              const ConsumerThread& th, int n, int flags) {
+  const FwdParams& p = P.p;
+  if (Tr::kOperands && p.bias != nullptr) {
+    RingPos<Tr::kBiasStages>& pos = operands.bias;
+    mbar_wait(bar.bias_full(pos.slot), pos.parity);
+    add_bias<Tr, T>(s, smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes, P, th);
+    th.release(bar.bias_empty(pos.slot));
+    pos.advance();
+  }
+  if (p.softcap > 0.f) {
+#pragma unroll
+    for (int i = 0; i < Tr::BN / 2; ++i) {
+      s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
+    }
+  }
+  if (Tr::kOperands && loads_mask(p, flags)) {
+    RingPos<Tr::kMaskStages>& pos = operands.mask;
+    mbar_wait(bar.mask_full(pos.slot), pos.parity);
+    apply_mask<Tr>(s, smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, P, th);
+    th.release(bar.mask_empty(pos.slot));
+    pos.advance();
+  }
+  hide_out_of_bounds<Tr>(s, p, w, th, n);
+}
+
+// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed
+// before.
+template <int N>
+__device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
+                                               float mul) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = st.m[half];
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
+    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled);
+    st.m[half] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * t + 2 * half + e];
+        x = detail::fast_exp2(x * mul - m_scaled);
+        sum += x;
+      }
+    }
+    st.l[half] = st.l[half] * corr[half] + sum;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N], const float (&corr)[2]) {
+#pragma unroll
+  for (int t = 0; t < N / 4; ++t) {
+    o[4 * t] *= corr[0];
+    o[4 * t + 1] *= corr[0];
+    o[4 * t + 2] *= corr[1];
+    o[4 * t + 3] *= corr[1];
+  }
+}
+
+// The probabilities as the A fragments of the P V wgmma (k-step kk: columns 16 kk ..).
+template <typename T, int N>
+__device__ __forceinline__ void pack_probabilities(uint32_t (&a)[N / 8][4], const float (&s)[N]) {
+  using E = detail::Elem<T>;
+#pragma unroll
+  for (int kk = 0; kk < N / 8; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[kk][j] = E::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+  }
+}
+
+}  // namespace dmattn::cuda::sm90
