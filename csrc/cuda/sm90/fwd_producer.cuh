@@ -64,10 +64,10 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
 }
 
 // A tile with work: its first block n (mask flags `flags`), the rest from `walk`.
-template <typename Tr>
+template <typename Tr, typename Walk>
 __device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* smem,
                                              const FwdBarriers<Tr>& bar, const TileWork& w,
-                                             KeyWalk<Tr::BM, Tr::BN>& walk, int n, int flags,
+                                             Walk& walk, int n, int flags,
                                              RingPos<Tr::kStages>& ring,
                                              OperandRings<Tr>& operands, uint32_t q_parity,
                                              bool leader) {
@@ -130,7 +130,7 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
     if (leader) queue.push(queued, t);
     if (t >= P.order.tiles) break;
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
-    KeyWalk<Tr::BM, Tr::BN> walk(P, w);
+    KeyWalk<Tr::BM, Tr::BN, Tr::kOperands> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
     if (first >= w.keys.lo) {

@@ -95,17 +95,25 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
 
 // The tile's key blocks with a visible mask element (all of them without a mask), from the last
 // to the first (block_map.cuh); warp-wide. first_block(): the first of them, keys.lo - 1 when
-// there is none (the tile then has no work).
-template <int BM, int BN>
+// there is none (the tile then has no work). Kernels that never take a mask (kMayMask false)
+// compile no walk at all (csrc/cuda/README.md: the walk's code in their main loop).
+template <int BM, int BN, bool kMayMask>
 struct KeyWalk {
   detail::TileWalk<-1, detail::KeyTileFlags<BM, BN>> walk;
   __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
       : walk(detail::key_block_walk<BM, BN>(detail::MaskMapView(P.p.mask_map, P.p.s, w.b, w.h),
-                                            P.p.mask != nullptr, w.m0, w.keys.lo)) {}
+                                            kMayMask && P.p.mask != nullptr, w.m0, w.keys.lo)) {}
   __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
-    return w.empty() ? w.keys.lo - 1 : walk.next(w.keys.hi - 1, flags);
+    return w.empty() ? w.keys.lo - 1 : next(w.keys.hi - 1, flags);
   }
-  __device__ __forceinline__ int next(int n, int* flags) { return walk.next(n, flags); }
+  __device__ __forceinline__ int next(int n, int* flags) {
+    if constexpr (kMayMask) {
+      return walk.next(n, flags);
+    } else {
+      *flags = detail::kTileAny | detail::kTileAll;
+      return n;
+    }
+  }
 };
 
 }  // namespace dmattn::cuda::sm90

@@ -160,7 +160,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, floa
   for (int half = 0; half < 2; ++half) {
     float mx = st.m[half];
 #pragma unroll
-    for (int t = 0; t < N / 4; ++t) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+    for (int t = 0; t < N / 4; ++t) {
+      mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
