@@ -120,10 +120,15 @@ def test_block_order(case):
     check_case(case, IMPL)
 
 
-# Dense calls that the warp-specialised Hopper forward takes (grids large enough not to split
-# their keys): each runs with both forward generations against the float64 reference, and on a
-# Hopper GPU the dispatcher must pick the Hopper kernel.
+# Calls that the warp-specialised Hopper forward takes (grids large enough not to split their
+# keys; masks and biases with rows of whole 16-byte units): each runs with both forward
+# generations against the float64 reference, and on a Hopper GPU the dispatcher must pick the
+# Hopper kernel.
 HOPPER_CASES = [
+    Case(B=2, Lq=1000, Lk=1024, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
+         mask=("B", "H", "Lq", "Lk"), mask_kind="blocks", bias=("B", "H", "Lq", "Lk")),
+    Case(B=4, Lq=600, Lk=512, H=16, Hk=4, D=64, dtype="float16", mask=("1", "1", "Lq", "Lk"),
+         mask_kind="rows", bias=("1", "H", "1", "Lk"), softcap=10.0),
     Case(B=2, Lq=1000, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", causal=True),
     Case(B=2, Lq=1000, Lk=700, H=8, Hk=1, D=128, dtype="float16", front_end="dpa",
          q_lens=(1000, 333), kv_lens=(700, 129), window=(100, 20)),
@@ -142,7 +147,9 @@ def _hopper_gpu() -> bool:
 def test_forward_generations(case, kernel):
     if (kernel == "auto" and _hopper_gpu() and case.D in _ffi.cuda_head_dims()
             and "90a" in _ffi.build_info()["cuda_archs"]):
-        assert _ffi.cuda_forward_kernel(case.q_shape, case.kv_shape) == "hopper"
+        kernel_name = _ffi.cuda_forward_kernel(case.q_shape, case.kv_shape,
+                                               case.mask is not None, case.bias is not None)
+        assert kernel_name == "hopper", kernel_name
     _ffi.cuda_set_forward_kernel(kernel)
     jax.clear_caches()
     try:

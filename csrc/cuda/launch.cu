@@ -161,10 +161,15 @@ cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStrea
   return cudaErrorNotSupported;
 }
 
-}  // namespace
-
-namespace {
 std::atomic<int> forward_kernel_setting{static_cast<int>(ForwardKernel::kAuto)};
+
+// The Hopper forward reads a mask or bias tile by TMA (sm90/fwd_launch.cuh): rows of whole
+// 16-byte units, not broadcast over keys, at head dims with 128-key blocks.
+bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int64_t elem_bytes) {
+  return !op.present ||
+         (s.head_dim <= 128 && op.col_stride == 1 && (s.seqlen_k * elem_bytes) % 16 == 0);
+}
+
 }  // namespace
 
 void SetForwardKernel(ForwardKernel kernel) {
@@ -172,13 +177,6 @@ void SetForwardKernel(ForwardKernel kernel) {
 }
 ForwardKernel ForwardKernelSetting() {
   return static_cast<ForwardKernel>(forward_kernel_setting.load(std::memory_order_relaxed));
-}
-
-// The Hopper forward reads a mask or bias tile by TMA (sm90/fwd_launch.cuh): rows of whole
-// 16-byte units, not broadcast over keys, at head dims with 128-key blocks.
-bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int64_t elem_bytes) {
-  return !op.present ||
-         (s.head_dim <= 128 && op.col_stride == 1 && (s.seqlen_k * elem_bytes) % 16 == 0);
 }
 
 bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
