@@ -17,6 +17,7 @@ pure-JAX reference. Kernel calls go through ``sharding`` so that sharded inputs 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -147,8 +148,29 @@ backward_p.def_impl(_eager(backward_p))
 
 # ---- which implementation runs --------------------------------------------------------------
 
+# Reasons already warned about: a GPU call that falls back to the reference says so once.
+_warned_fallbacks: set[str] = set()
+
+
+def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
+    """Why this build has no CUDA kernel for the call, and the fix; None when it has one."""
+    if not _ffi.has_cuda_kernels():
+        return ("this jax_dmattn build has no CUDA kernels",
+                "Reinstall it where nvcc is found (README: installation) to build them.")
+    name = jnp.dtype(dtype).name
+    if name not in _ffi.cuda_dtypes():
+        return (f"no CUDA kernel for dtype {name} (compiled: {', '.join(_ffi.cuda_dtypes())})",
+                "Cast the inputs to a compiled dtype, or rebuild with JAX_DMATTN_DTYPES.")
+    if head_dim not in _ffi.cuda_head_dims():
+        return (f"no CUDA kernel for head dim {head_dim} (compiled: {_ffi.cuda_head_dims()})",
+                "Rebuild with that head dim in JAX_DMATTN_HEAD_DIMS.")
+    return None
+
+
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
-    """True to lower to this platform's kernels, False to lower to the reference."""
+    """True to lower to this platform's kernels, False to lower to the reference. On a GPU
+    without a kernel for the call, implementation="cuda" raises and None warns once per reason
+    (then runs the pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -158,13 +180,18 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) ->
         return True
     if platform != "cuda":
         return False
-    supported = (_ffi.has_cuda_kernels() and jnp.dtype(dtype).name in _ffi.cuda_dtypes()
-                 and head_dim in _ffi.cuda_head_dims())
-    if requested == "cuda" and not supported:
-        raise ValueError(
-            f"jax_dmattn: no CUDA kernel for dtype {jnp.dtype(dtype).name}, head dim {head_dim}; "
-            f"compiled: dtypes {_ffi.cuda_dtypes()}, head dims {_ffi.cuda_head_dims()}")
-    return supported
+    missing = _missing_cuda_kernel(dtype, head_dim)
+    if missing is not None:
+        reason, fix = missing
+        if requested == "cuda":
+            raise ValueError(f"jax_dmattn: {reason}. {fix}")
+        if reason not in _warned_fallbacks:
+            _warned_fallbacks.add(reason)
+            warnings.warn(
+                f"jax_dmattn: {reason}; such calls on the GPU run the pure-JAX reference "
+                f"(O(L^2) memory, slow). {fix} implementation='xla' asks for the reference "
+                "without this warning.", RuntimeWarning, stacklevel=2)
+    return missing is None
 
 
 def _reference_forward(params, opts, q, k, v, *extras):

@@ -4,6 +4,7 @@ semantics of flash_dmattn's options, and the trace-time rejection of bad inputs.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -318,3 +319,35 @@ def test_available_implementations():
     impls = jax_dmattn.available_implementations()
     assert "xla" in impls and "cpu" in impls
     assert set(impls) <= {"xla", "cpu", "cuda"}
+
+
+@pytest.mark.parametrize("build, dtype, head_dim, reason", [
+    ({"cuda": False, "cuda_head_dims": [], "cuda_dtypes": ""}, jnp.bfloat16, 128,
+     "no CUDA kernels"),
+    ({"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16"}, jnp.float16, 128,
+     "dtype float16"),
+    ({"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16"}, jnp.bfloat16, 64,
+     "head dim 64"),
+])
+def test_gpu_fallback_warns_once(monkeypatch, build, dtype, head_dim, reason):
+    """A GPU call that no compiled kernel takes runs the reference: implementation=None warns
+    once, naming the reason and the fix; implementation="cuda" raises."""
+    from jax_dmattn import _ffi, ops
+    from jax_dmattn.params import AttentionParams
+
+    monkeypatch.setattr(_ffi, "build_info", lambda: dict(build, cuda_archs="90a"))
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    params = AttentionParams(scale=0.1)
+    with pytest.warns(RuntimeWarning, match=reason) as record:
+        assert not ops.uses_kernel("cuda", params, dtype, head_dim)
+    assert "reference" in str(record[0].message) and "implementation='xla'" in str(
+        record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ops.uses_kernel("cuda", params, dtype, head_dim)  # once only
+    assert ops.uses_kernel("cpu", params, dtype, head_dim)
+    with pytest.raises(ValueError, match=reason):
+        ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), dtype,
+                        head_dim)
+    if build["cuda"]:
+        assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
