@@ -156,7 +156,7 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     """Why this build has no CUDA kernel for the call, and the fix; None when it has one."""
     if not _ffi.has_cuda_kernels():
         return ("this jax_dmattn build has no CUDA kernels",
-                "Reinstall it where nvcc is found (README: installation) to build them.")
+                "Reinstall it where nvcc is found (README: Building the CUDA kernels).")
     name = jnp.dtype(dtype).name
     if name not in _ffi.cuda_dtypes():
         return (f"no CUDA kernel for dtype {name} (compiled: {', '.join(_ffi.cuda_dtypes())})",
