@@ -12,7 +12,7 @@ namespace dmattn::cuda::sm90 {
 // The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h): at
 // D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
 // larger head dims, hides under two others' GEMMs.
-// Calls with a mask or a bias run the same tile with an operand slot (D <= 128).
+// Calls with a mask or a bias run the same tile with the bias and mask rings (D <= 128).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);

@@ -25,10 +25,9 @@ struct FwdTraits {
   static constexpr int kStages = 2;
   // setmaxnreg budgets per thread: the warpgroups share what the CTA got at launch (the
   // __launch_bounds__ cap, 65536 / kThreads rounded down to 8, per thread), or setmaxnreg.inc
-  // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). Fewer than 240 for
-  // two consumers cost 5 % at D = 128 (224: H100 harness, dense L4k 0.849 -> 0.890 ms) though
-  // ptxas reports no spill; the producer warp spills a little (its mask map walk and tile
-  // bookkeeping).
+  // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). With 224 for two
+  // consumers ptxas reports no spill either (H100 harness, dense D128 L4k 0.890 vs 0.883 ms at
+  // 240); the producer warp spills a little (its mask map walk and tile bookkeeping).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
