@@ -20,9 +20,29 @@ def _say(message: str) -> None:
 
 def _platform_implementation() -> tuple[str, str]:
     """(implementation, dtype name) that this platform runs by default."""
-    if jax.default_backend() == "gpu" and "cuda" in jax_dmattn.available_implementations():
+    capability = _ffi.local_gpu_compute_capability()
+    if (jax.default_backend() == "gpu" and "cuda" in jax_dmattn.available_implementations()
+            and capability is not None and _ffi.cuda_arch_runs_on(capability)):
         return "cuda", "bfloat16"
     return "cpu", "float32"
+
+
+def gpu_summary() -> str | None:
+    """One line on this process's GPU: its compute capability and whether the CUDA kernels of
+    this build run on it (None without a GPU)."""
+    capability = _ffi.local_gpu_compute_capability()
+    if capability is None:
+        return None
+    info = _ffi.build_info()
+    if not info["cuda"]:
+        verdict = ("this build has no CUDA kernels, so calls on it run the pure-JAX reference "
+                   "(reinstall where nvcc is found: README, Building the CUDA kernels)")
+    elif not _ffi.cuda_arch_runs_on(capability):
+        verdict = (f"no compiled arch ({info['cuda_archs']}) runs on it, so calls on it run the "
+                   "pure-JAX reference (rebuild with JAX_DMATTN_CUDA_ARCHS naming it)")
+    else:
+        verdict = "the CUDA kernels run on it"
+    return f"GPU: compute capability {capability}: {verdict}"
 
 
 def _inputs(seed: int, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype):
@@ -126,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"implementations: {', '.join(jax_dmattn.available_implementations())}")
     _say("CUDA kernels: " + (f"sm {info['cuda_archs']}, head dims {info['cuda_head_dims']}, "
                              f"{info['cuda_dtypes']}" if info["cuda"] else "not built"))
+    if (gpu := gpu_summary()) is not None:
+        _say(gpu)
     _say(f"\n[1/2] self-check of implementation={implementation!r} ({dtype_name}) "
          "against the reference")
     passed = self_check(implementation, dtype_name)

@@ -54,6 +54,30 @@ def cuda_dtypes() -> tuple[str, ...]:
     return tuple(names[d] for d in build_info()["cuda_dtypes"].split(",") if d)
 
 
+def cuda_arch_runs_on(compute_capability: str) -> bool:
+    """Whether a CUDA arch compiled into this build runs on a GPU of this compute capability
+    (``"9.0"``): code for sm_XY runs on X.Y and later minors of X, code for sm_XYa on X.Y only."""
+    major, minor = (int(x) for x in compute_capability.split(".")[:2])
+    for arch in filter(None, build_info()["cuda_archs"].split(",")):
+        digits = arch.rstrip("a")
+        arch_major, arch_minor = int(digits[:-1]), int(digits[-1])
+        if arch_major == major and (arch_minor == minor if arch.endswith("a")
+                                    else arch_minor <= minor):
+            return True
+    return False
+
+
+@functools.cache
+def local_gpu_compute_capability() -> str | None:
+    """The compute capability of this process's first GPU (``"9.0"``), None without one."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    capability = getattr(gpus[0], "compute_capability", None) if gpus else None
+    return str(capability) if capability else None
+
+
 # ---- calls ----------------------------------------------------------------------------------
 # Operand order and workspaces mirror csrc/ffi/decode.h. Every operand has the same number of
 # leading batch dims (size 1 where it broadcasts); the kernels take at most MAX_BATCH_DIMS of them,

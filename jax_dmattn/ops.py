@@ -153,10 +153,17 @@ _warned_fallbacks: set[str] = set()
 
 
 def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
-    """Why this build has no CUDA kernel for the call, and the fix; None when it has one."""
+    """Why this build has no CUDA kernel for the call on this GPU, and the fix; None when it
+    has one."""
     if not _ffi.has_cuda_kernels():
         return ("this jax_dmattn build has no CUDA kernels",
                 "Reinstall it where nvcc is found (README: Building the CUDA kernels).")
+    capability = _ffi.local_gpu_compute_capability()
+    if capability is not None and not _ffi.cuda_arch_runs_on(capability):
+        archs = _ffi.build_info()["cuda_archs"]
+        return (f"no CUDA arch of this build ({archs}) runs on this GPU (compute capability "
+                f"{capability})",
+                "Rebuild with JAX_DMATTN_CUDA_ARCHS naming it (README: Building the CUDA kernels).")
     name = jnp.dtype(dtype).name
     if name not in _ffi.cuda_dtypes():
         return (f"no CUDA kernel for dtype {name} (compiled: {', '.join(_ffi.cuda_dtypes())})",

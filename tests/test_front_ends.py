@@ -321,21 +321,24 @@ def test_available_implementations():
     assert set(impls) <= {"xla", "cpu", "cuda"}
 
 
-@pytest.mark.parametrize("build, dtype, head_dim, reason", [
-    ({"cuda": False, "cuda_head_dims": [], "cuda_dtypes": ""}, jnp.bfloat16, 128,
-     "no CUDA kernels"),
-    ({"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16"}, jnp.float16, 128,
-     "dtype float16"),
-    ({"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16"}, jnp.bfloat16, 64,
-     "head dim 64"),
+FAKE_BUILD = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
+              "cuda_archs": "90a"}
+
+
+@pytest.mark.parametrize("build, capability, dtype, head_dim, reason", [
+    (dict(FAKE_BUILD, cuda=False, cuda_archs=""), "9.0", jnp.bfloat16, 128, "no CUDA kernels"),
+    (dict(FAKE_BUILD, cuda_dtypes="bf16"), "9.0", jnp.float16, 128, "dtype float16"),
+    (FAKE_BUILD, "9.0", jnp.bfloat16, 64, "head dim 64"),
+    (FAKE_BUILD, "8.0", jnp.bfloat16, 128, r"\(90a\) runs on this GPU \(compute capability 8.0"),
 ])
-def test_gpu_fallback_warns_once(monkeypatch, build, dtype, head_dim, reason):
+def test_gpu_fallback_warns_once(monkeypatch, build, capability, dtype, head_dim, reason):
     """A GPU call that no compiled kernel takes runs the reference: implementation=None warns
     once, naming the reason and the fix; implementation="cuda" raises."""
     from jax_dmattn import _ffi, ops
     from jax_dmattn.params import AttentionParams
 
-    monkeypatch.setattr(_ffi, "build_info", lambda: dict(build, cuda_archs="90a"))
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: capability)
     monkeypatch.setattr(ops, "_warned_fallbacks", set())
     params = AttentionParams(scale=0.1)
     with pytest.warns(RuntimeWarning, match=reason) as record:
@@ -349,5 +352,22 @@ def test_gpu_fallback_warns_once(monkeypatch, build, dtype, head_dim, reason):
     with pytest.raises(ValueError, match=reason):
         ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), dtype,
                         head_dim)
-    if build["cuda"]:
+    if build["cuda"] and capability == "9.0":
         assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
+
+
+def test_cuda_arch_matching_and_gpu_summary(monkeypatch):
+    from jax_dmattn import __main__ as cli
+    from jax_dmattn import _ffi
+
+    monkeypatch.setattr(_ffi, "build_info", lambda: dict(FAKE_BUILD, cuda_archs="80,90a"))
+    runs = {c: _ffi.cuda_arch_runs_on(c) for c in ("7.5", "8.0", "8.6", "9.0", "10.0")}
+    assert runs == {"7.5": False, "8.0": True, "8.6": True, "9.0": True, "10.0": False}
+    monkeypatch.setattr(_ffi, "build_info", lambda: FAKE_BUILD)
+    assert not _ffi.cuda_arch_runs_on("8.0") and not _ffi.cuda_arch_runs_on("9.1")
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: None)
+    assert cli.gpu_summary() is None
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "8.0")
+    assert "no compiled arch (90a) runs on it" in cli.gpu_summary()
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    assert cli.gpu_summary().endswith("the CUDA kernels run on it")
