@@ -85,28 +85,22 @@ __device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* sm
     }
   }
 
+  // The K or V tile of block n into its ring slot once the consumers have released it.
+  auto load_rows = [&](uint32_t offset, const CUtensorMap* map, uint64_t* full, uint64_t* empty,
+                       int n) {
+    mbar_wait(empty, ring.parity ^ 1);
+    if (!leader) return;
+    mbar_arrive_expect_tx(full, Tr::kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      tma_load(smem + offset + panel * BN * 128, map, full, panel * 64, w.hk, n * BN, kv_entry);
+    }
+  };
   for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
-    const uint32_t k_slot = Tr::kOffK + ring.slot * Tr::kKVBytes;
-    const uint32_t v_slot = Tr::kOffV + ring.slot * Tr::kKVBytes;
-    mbar_wait(bar.k_empty(ring.slot), ring.parity ^ 1);
-    if (leader) {
-      mbar_arrive_expect_tx(bar.k_full(ring.slot), Tr::kKVBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        tma_load(smem + k_slot + panel * BN * 128, &P.k_tma, bar.k_full(ring.slot), panel * 64,
-                 w.hk, n * BN, kv_entry);
-      }
-    }
+    const int slot = ring.slot;
+    load_rows(Tr::kOffK + slot * Tr::kKVBytes, &P.k_tma, bar.k_full(slot), bar.k_empty(slot), n);
     if constexpr (Tr::kOperands) load_operands<Tr>(P, smem, bar, w, n, flags, operands, leader);
-    mbar_wait(bar.v_empty(ring.slot), ring.parity ^ 1);
-    if (leader) {
-      mbar_arrive_expect_tx(bar.v_full(ring.slot), Tr::kKVBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        tma_load(smem + v_slot + panel * BN * 128, &P.v_tma, bar.v_full(ring.slot), panel * 64,
-                 w.hk, n * BN, kv_entry);
-      }
-    }
+    load_rows(Tr::kOffV + slot * Tr::kKVBytes, &P.v_tma, bar.v_full(slot), bar.v_empty(slot), n);
     ring.advance();
   }
 }
