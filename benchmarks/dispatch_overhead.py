@@ -13,7 +13,6 @@ for jax_dmattn and cuDNN, side by side:
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,18 +20,7 @@ import numpy as np
 from gpu_suites import block_mask
 
 import jax_dmattn
-from jax_dmattn._timing import median_ms
-
-
-def back_to_back_ms(fn, *args, iters: int) -> float:
-    """Mean milliseconds per call of `iters` calls issued without waiting in between."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    out = None
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) * 1e3 / iters
+from jax_dmattn._timing import back_to_back_ms, median_ms
 
 
 def main() -> None:
@@ -66,7 +54,8 @@ def main() -> None:
     print(f"{'implementation':<12} {'per call ms':>12} {'back to back ms':>16} {'latency ms':>11}")
     for name, fn in calls.items():
         per_call = median_ms(fn, q, k, v, mask, warmup=3, iters=args.iters)
-        back_to_back = back_to_back_ms(fn, q, k, v, mask, iters=args.iters)
+        back_to_back = back_to_back_ms(fn, q, k, v, mask, calls=args.iters, repeats=1,
+                                       warmup=1)
         latency = per_call - back_to_back
         print(f"{name:<12} {per_call:>12.3f} {back_to_back:>16.3f} {latency:>11.3f}")
 

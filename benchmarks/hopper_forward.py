@@ -26,7 +26,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from gpu_suites import block_mask
 
 import jax_dmattn
 from jax_dmattn import _ffi
+from jax_dmattn import _timing as timing
 from jax_dmattn._timing import attention_flops
 from jax_dmattn.dynamic import dynamic_attention
 
@@ -46,17 +46,7 @@ NAMES = {"ours": "jax_dmattn", "ours_flash2": "jax_dmattn (FA2-class fwd)", "cud
 
 
 def back_to_back_ms(fn: Callable, *args) -> float:
-    """Milliseconds per call: CALLS calls then one block, best of REPEATS (after warm-up)."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) * 1e3 / CALLS)
-    return best
+    return timing.back_to_back_ms(fn, *args, calls=CALLS, repeats=REPEATS)
 
 
 def relative_error(x: jax.Array, ref: jax.Array) -> float:
@@ -102,19 +92,10 @@ def run_case(case: dict) -> dict:
                                                            implementation="cuda"))
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                  implementation="cudnn"))
-    row = dict(case, kernel=_ffi.cuda_forward_kernel(q.shape, k.shape, False, False))
     reference = cudnn(q, k, v)
-    for name, fn, args in (("ours", ours, (q, k, v)), ("cudnn", cudnn, (q, k, v))):
-        row[f"{name}_err"] = relative_error(fn(*args), reference) if name != "cudnn" else 0.0
-        row[f"{name}_ms"] = back_to_back_ms(fn, *args)
-    _ffi.cuda_set_forward_kernel("flash2")
-    jax.clear_caches()  # an executable's CUDA graph cannot change kernels between calls
-    try:
-        row["ours_flash2_err"] = relative_error(ours(q, k, v), reference)
-        row["ours_flash2_ms"] = back_to_back_ms(ours, q, k, v)
-    finally:
-        _ffi.cuda_set_forward_kernel("auto")
-        jax.clear_caches()
+    row = dict(case, kernel=_ffi.cuda_forward_kernel(q.shape, k.shape, False, False),
+               cudnn_err=0.0, cudnn_ms=back_to_back_ms(cudnn, q, k, v),
+               **timed_pair(ours, (q, k, v), reference))
     # the Pallas kernel applies no softmax scale: q comes scaled by 1/sqrt(D)
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q * d**-0.5, k, v))
     pallas = pallas_forward(causal, d, q16, k16, v16)

@@ -1,4 +1,4 @@
-"""Wall-clock timing of jitted JAX calls (median of repeated, synchronised calls)."""
+"""Wall-clock timing of jitted JAX calls: median of synchronised calls, or back to back."""
 
 from __future__ import annotations
 
@@ -25,6 +25,23 @@ def median_ms(fn: Callable, *args, warmup: int = 2, iters: int = 20,
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def back_to_back_ms(fn: Callable, *args, calls: int = 20, repeats: int = 3,
+                    warmup: int = 3) -> float:
+    """Milliseconds per call of `calls` calls issued without waiting, then one
+    ``block_until_ready``; the best of `repeats` such batches after `warmup` calls
+    (DESIGN.md §5)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
+    return best
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -50,6 +50,13 @@ constexpr bool HasHopperForward(int64_t head_dim) {
 // call of this shape that splits its keys `num_splits` ways (its pointers allowing TMA).
 bool HopperForwardTakes(const AttentionShape& shape, int64_t num_splits);
 
+// Lets `kernel` launch with `bytes` of dynamic shared memory (past 48 KB it must ask).
+template <typename Kernel>
+inline cudaError_t PrepareSmem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 // Everything the backward launcher needs beyond the kernel parameter block.
 struct BwdLaunch {
   BwdParams p;

@@ -85,12 +85,6 @@ struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>
   }
 };
 
-template <typename Kernel>
-inline cudaError_t PrepareSmem(Kernel kernel, int bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
-
 #if defined(DMATTN_CUDA_TUNING)
 // Test builds only: DMATTN_CUDA_VARIANT=<n> (n > 0) runs alternative tiles, defined for some
 // (head dim, dtype) pairs in tests/cuda/tune_*.cu; cudaErrorNotSupported elsewhere.

@@ -49,20 +49,16 @@ __device__ __forceinline__ void store_tile(const FwdParamsSm90& P, const TileWor
     return;
   }
 
-  using TileO = detail::SwizzledTile<Tr::BM, Tr::D>;
   T* so = reinterpret_cast<T*>(smem + Tr::kOffO);
   const bool issuer = th.warp == 0 && th.lane == 0;
   if (issuer) detail::bulk_wait_read();  // the previous tile's store has read the stage
   named_sync(kEpilogueBarrier + th.wg, 128);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // TileO::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8 (rows start on 64
-    // elements, so the swizzled chunk bits of the base are free): no address per t to keep.
-    const int base = TileO::off(th.tile_row(half), 2 * th.tq);
+    const SwizzledPairs<Tr::BM> pairs(th.tile_row(half), th.tq);
 #pragma unroll
     for (int t = 0; t < Tr::NTO; ++t) {
-      const int off = (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);
-      *reinterpret_cast<uint32_t*>(so + off) =
+      *reinterpret_cast<uint32_t*>(so + pairs(t)) =
           E::pack(o[4 * t + 2 * half] * inv_l[half], o[4 * t + 2 * half + 1] * inv_l[half]);
     }
   }

@@ -111,11 +111,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   }
   if (e != cudaSuccess) return e;
   auto kernel = fwd_kernel<Tr, T>;
-  if (cudaError_t e2 = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Tr::kSmem);
-      e2 != cudaSuccess) {
-    return e2;
-  }
+  if (cudaError_t e2 = PrepareSmem(kernel, Tr::kSmem); e2 != cudaSuccess) return e2;
   if (P.order.counter != nullptr) {
     if (cudaError_t e3 = cudaMemsetAsync(P.order.counter, 0, sizeof(int), stream);
         e3 != cudaSuccess) {

@@ -37,6 +37,19 @@ struct ConsumerThread {
   }
 };
 
+// Element offsets of a thread's column pairs 8 t + 2 tq, +1 in one row of a SwizzledTile of
+// ROWS rows (64-column panels): one base XOR-ed with the chunk t % 8 (rows start on 64
+// elements, so the base's chunk bits are free), not an address per t held in registers.
+template <int ROWS>
+struct SwizzledPairs {
+  int base;
+  __device__ __forceinline__ SwizzledPairs(int row, int tq)
+      : base(detail::SwizzledTile<ROWS, 64>::off(row, 2 * tq)) {}
+  __device__ __forceinline__ int operator()(int t) const {
+    return (base ^ ((t % 8) << 3)) + (t / 8) * (ROWS * 64);
+  }
+};
+
 // Online softmax state of a thread's two rows: running max (of the accumulator units) and sum.
 struct RowState {
   float m[2], l[2];
@@ -55,13 +68,10 @@ __device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* 
   const bool one_row = P.bias_tiles.one_row;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // SwizzledTile<BM, BN>::off(r, 8 t + 2 tq) as one base XOR-ed with the chunk t % 8
-    const int base = one_row ? 2 * th.tq
-                             : detail::SwizzledTile<Tr::BM, Tr::BN>::off(th.tile_row(half),
-                                                                          2 * th.tq);
+    const SwizzledPairs<Tr::BM> pairs(th.tile_row(half), th.tq);
 #pragma unroll
     for (int t = 0; t < Tr::NTS; ++t) {
-      const int off = one_row ? base + 8 * t : (base ^ ((t % 8) << 3)) + (t / 8) * (Tr::BM * 64);
+      const int off = one_row ? 8 * t + 2 * th.tq : pairs(t);
       const float2 b = E::unpack(*reinterpret_cast<const uint32_t*>(tile + off));
       s[4 * t + 2 * half] += b.x * P.p.bias_mul;
       s[4 * t + 2 * half + 1] += b.y * P.p.bias_mul;
