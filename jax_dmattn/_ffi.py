@@ -166,30 +166,33 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     return outs[:len(grads)]
 
 
-def call_mask_map(mask, params: AttentionParams | None = None):
-    """The CUDA kernels' mask block map (csrc/cuda/attention.h): bool ``[..., R, C]`` -> uint8
-    ``[..., ceil(R / cell), ceil(C / cell)]``, one byte of flags per cell.
+def call_mask_map(mask, params: AttentionParams | None = None) -> tuple[jax.Array, jax.Array]:
+    """The CUDA kernels' mask summaries (csrc/cuda/attention.h) of a bool ``[..., R, C]`` mask:
+    its block map, uint8 ``[..., ceil(R / cell), ceil(C / cell)]`` (one byte of flags per cell),
+    and its bits, uint8 ``[..., R, ceil(C / 128) * 16]`` (key j in bit j % 8 of byte j // 8).
 
     With `params` (only for a mask whose R and C are the query and key positions), the cells that
-    its causal / window rule hides from every query are left unread."""
+    its causal / window rule hides from every query are left unread (their bits are zero)."""
     register_targets()
     cell = build_info()["mask_map_cell"]
     *lead, rows, cols = mask.shape
-    result = jax.ShapeDtypeStruct((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
+    results = (jax.ShapeDtypeStruct((*lead, -(-rows // cell), -(-cols // cell)), np.uint8),
+               jax.ShapeDtypeStruct((*lead, rows, -(-cols // 128) * 16), np.uint8))
     rule = params or AttentionParams(scale=1.0)
-    return jax.ffi.ffi_call(MASK_MAP_TARGET, result)(
+    cells, bits = jax.ffi.ffi_call(MASK_MAP_TARGET, results)(
         mask, diagonal_offset=np.int64(rule.diagonal_offset),
         window_left=np.int64(rule.window_left), window_right=np.int64(rule.window_right))
+    return cells, bits
 
 
 def _with_mask_map(params: AttentionParams, opts, extras: tuple, seqlen_q: int,
                    seqlen_k: int) -> tuple:
-    """The CUDA kernels' extra operands: the mask's block map after the others."""
+    """The CUDA kernels' extra operands: the mask's block map and bits after the others."""
     mask = opts.split(extras)[0]
     if mask is None:
         return extras
     full = mask.shape[-2:] == (seqlen_q, seqlen_k)  # neither queries nor keys broadcast
-    return (*extras, call_mask_map(mask, params if full else None))
+    return (*extras, *call_mask_map(mask, params if full else None))
 
 
 def call_topk_leave(key, window: int):
@@ -234,13 +237,17 @@ def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> i
     return int(_extension().cuda_forward_splits(tuple(q_shape), tuple(k_shape)))
 
 
-def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...], has_mask: bool = False,
-                        has_bias: bool = False) -> str:
-    """The CUDA forward kernel that a call with these shapes runs on the current device:
+def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                        mask_shape: tuple[int, ...] | None = None,
+                        bias_shape: tuple[int, ...] | None = None) -> str:
+    """The CUDA forward kernel that a call with these shapes (q ``[B, Lq, H, D]``, k ``[B, Lk, Hk,
+    D]``, mask and bias ``[B|1, H|Hk|1, Lq|1, Lk|1]`` or None) runs on the current device:
     ``"hopper"`` (the warp-specialised sm_90a kernel), ``"flash2"`` or ``"flash2_split"`` (the
     FlashAttention-2-class kernel, keys split for small grids). A debugging aid."""
-    return str(_extension().cuda_forward_kernel(tuple(q_shape), tuple(k_shape), has_mask,
-                                                has_bias))
+    def dims(shape):
+        return None if shape is None else tuple(shape)
+    return str(_extension().cuda_forward_kernel(tuple(q_shape), tuple(k_shape), dims(mask_shape),
+                                                dims(bias_shape)))
 
 
 def cuda_set_forward_kernel(name: str) -> None:

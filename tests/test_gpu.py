@@ -135,17 +135,24 @@ HOPPER_CASES = [
     Case(B=1, Lq=17, Lk=64, H=2, Hk=1, D=64, dtype="float16", causal=True),
     Case(B=4, Lq=1100, Lk=1500, H=8, Hk=8, D=64, dtype="bfloat16", causal=True, softcap=30.0),
     Case(B=2, Lq=300, Lk=257, H=32, Hk=8, D=256, dtype="bfloat16", softcap=20.0),
+    Case(B=2, Lq=300, Lk=203, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
+         mask=("B", "Hk", "Lq", "Lk")),
 ]
+
+
+def _hopper_forward_built() -> bool:
+    """The GPU is a Hopper and this build has its sm_90a kernels."""
+    return ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
+            and "90a" in _ffi.build_info()["cuda_archs"])
 
 
 @pytest.mark.parametrize("kernel", ["auto", "flash2"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=cases_ids(HOPPER_CASES))
 def test_forward_generations(case, kernel):
-    if (kernel == "auto" and (_ffi.local_gpu_compute_capability() or "").startswith("9.")
-            and case.D in _ffi.cuda_head_dims()
-            and "90a" in _ffi.build_info()["cuda_archs"]):
-        kernel_name = _ffi.cuda_forward_kernel(case.q_shape, case.kv_shape,
-                                               case.mask is not None, case.bias is not None)
+    if kernel == "auto" and _hopper_forward_built() and case.D in _ffi.cuda_head_dims():
+        kernel_name = _ffi.cuda_forward_kernel(
+            case.q_shape, case.kv_shape, case.mask and case.resolve(case.mask),
+            case.bias and case.resolve(case.bias))
         assert kernel_name == "hopper", kernel_name
     _ffi.cuda_set_forward_kernel(kernel)
     jax.clear_caches()
@@ -157,9 +164,14 @@ def test_forward_generations(case, kernel):
 
 
 def test_forward_kernel_query():
+    hopper = "hopper" if _hopper_forward_built() else "flash2"
+    q, k = (8, 4096, 16, 128), (8, 4096, 16, 128)
     assert _ffi.cuda_forward_kernel((1, 1, 8, 128), (1, 4096, 8, 128)) == "flash2_split"
-    mask_kernel = _ffi.cuda_forward_kernel((8, 4096, 16, 128), (8, 4096, 16, 128), has_mask=True)
-    assert mask_kernel == "flash2"
+    assert _ffi.cuda_forward_kernel(q, k, (8, 16, 4096, 4096), (1, 16, 1, 4096)) == hopper
+    assert _ffi.cuda_forward_kernel(q, k, (8, 16, 4096, 1)) == "flash2"  # broadcast over keys
+    odd = (8, 4090, 16, 128)  # bias rows of 8180 bytes, which TMA cannot address; the mask's
+    assert _ffi.cuda_forward_kernel(q, odd, None, (1, 1, 4096, 4090)) == "flash2"
+    assert _ffi.cuda_forward_kernel(q, odd, (1, 1, 4096, 4090)) == hopper  # bits pad their rows
     with pytest.raises(ValueError, match="forward kernel"):
         _ffi.cuda_set_forward_kernel("hopper3")
 
@@ -170,11 +182,14 @@ def test_default_implementation_uses_cuda():
     assert "dmattn_fwd" in text
 
 
-def _expected_map(mask: np.ndarray, params: AttentionParams, cell: int) -> np.ndarray:
+def _expected_summaries(mask: np.ndarray, params: AttentionParams,
+                        cell: int) -> tuple[np.ndarray, np.ndarray]:
     """The mask map of csrc/cuda/attention.h: per cell kTileAny (1) | kTileAll (2) of its
-    elements, or kTileAll alone where the band rule of `params` hides the whole cell."""
+    elements, or kTileAll alone where the band rule of `params` hides the whole cell; and the
+    mask's bits, zero in those cells, rows padded to 16 bytes."""
     *lead, rows, cols = mask.shape
     out = np.zeros((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
+    seen = mask.copy()
     i = np.arange(rows)[:, None]
     j = np.arange(cols)[None, :]
     in_band = np.ones((rows, cols), bool)
@@ -187,10 +202,13 @@ def _expected_map(mask: np.ndarray, params: AttentionParams, cell: int) -> np.nd
             rs, cs = slice(r * cell, (r + 1) * cell), slice(c * cell, (c + 1) * cell)
             if not in_band[rs, cs].any():
                 out[..., r, c] = 2
+                seen[..., rs, cs] = False
                 continue
             part = mask[..., rs, cs].reshape(*lead, -1)
             out[..., r, c] = np.where(part.any(-1), 1 | np.where(part.all(-1), 2, 0), 0)
-    return out
+    bits = np.packbits(seen, axis=-1, bitorder="little")
+    padding = [(0, 0)] * (bits.ndim - 1) + [(0, -(-cols // 128) * 16 - bits.shape[-1])]
+    return out, np.pad(bits, padding)
 
 
 @pytest.mark.parametrize("lq,lk,offset,left,right", [
@@ -198,6 +216,8 @@ def _expected_map(mask: np.ndarray, params: AttentionParams, cell: int) -> np.nd
     (450, 200, -250, -1, 0),    # causal, Lq > Lk
     (333, 333, 0, 100, 20),     # local window
     (200, 330, 0, -1, -1),      # no band: every cell read
+    (192, 320, 128, -1, 0),     # causal, rows of whole 16-byte units (vector loads)
+    (130, 256, 0, -1, -1),      # the same without a band
 ])
 def test_mask_map_skips_cells_the_band_hides(lq, lk, offset, left, right):
     cell = _ffi.build_info()["mask_map_cell"]
@@ -207,8 +227,10 @@ def test_mask_map_skips_cells_the_band_hides(lq, lk, offset, left, right):
     mask[1, 2, :, :cell] = False  # and all false
     params = AttentionParams(scale=1.0, diagonal_offset=offset, window_left=left,
                              window_right=right)
-    got = np.asarray(jax.jit(lambda m: _ffi.call_mask_map(m, params))(jnp.asarray(mask)))
-    np.testing.assert_array_equal(got, _expected_map(mask, params, cell))
+    cells, bits = jax.jit(lambda m: _ffi.call_mask_map(m, params))(jnp.asarray(mask))
+    expected_cells, expected_bits = _expected_summaries(mask, params, cell)
+    np.testing.assert_array_equal(np.asarray(cells), expected_cells)
+    np.testing.assert_array_equal(np.asarray(bits), expected_bits)
 
 
 def test_deterministic_gradients_bitwise():

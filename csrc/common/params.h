@@ -22,6 +22,9 @@ constexpr int kMaxBatchDims = 4;
 constexpr int kMaxWorkspaces = 2;
 // Rows and columns of one cell of the CUDA kernels' mask block map (cuda/attention.h).
 constexpr int kMaskMapCell = 64;
+// Bytes per row of the CUDA kernels' bit-packed mask (cuda/attention.h): a bit per key, rows
+// padded to whole 16-byte units (128 keys), which TMA can address.
+constexpr int64_t MaskBitsRowBytes(int64_t cols) { return (cols + 127) / 128 * 16; }
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -145,6 +148,7 @@ struct ForwardArgs {
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
   const uint8_t* mask_map = nullptr;  // CUDA, with a mask: its block map (cuda/attention.h)
+  const uint8_t* mask_bits = nullptr;  // CUDA, with a mask: the mask packed to bits (same)
   // Platform workspaces (FFI outputs sized at trace time), in the order the Python op declares.
   void* workspace[kMaxWorkspaces] = {};
   int64_t workspace_bytes[kMaxWorkspaces] = {};
@@ -162,6 +166,7 @@ struct BackwardArgs {
   const float* dlse = nullptr;
   const bool* mask = nullptr;
   const uint8_t* mask_map = nullptr;  // CUDA, with a mask: its block map (cuda/attention.h)
+  const uint8_t* mask_bits = nullptr;  // CUDA, with a mask: the mask packed to bits (same)
   const void* bias = nullptr;
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;

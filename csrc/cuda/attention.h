@@ -23,20 +23,25 @@ bool SupportsHeadDim(int64_t head_dim);
 // x kMaskMapCell cell, [entries, ceil(rows / cell), ceil(cols / cell)], saying whether the cell
 // has a true element and whether all are true. The attention kernels read it (args.mask_map) to
 // skip hidden tiles; a forward and its backward share one.
+// The same pass packs the mask to bits (args.mask_bits): [entries, rows, MaskBitsRowBytes(cols)]
+// bytes, key j of a row in bit j % 8 of its byte j / 8, the padding zero, so that a kernel reads
+// a tile's mask in an eighth of the bytes.
 // `rule`'s diagonal / window rule (only diagonal_offset, window_left and window_right are read;
 // rows are query and cols key positions) hides some cells from every query: those are not read
-// but flagged kTileAll alone, which no tile test counts as visible nor as partly hidden. A mask
-// broadcast over queries or keys takes an unbounded rule (AttentionShape's defaults).
+// but flagged kTileAll alone, which no tile test counts as visible nor as partly hidden, and
+// their bits are zero. A mask broadcast over queries or keys takes an unbounded rule
+// (AttentionShape's defaults).
 cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, int64_t cols,
-                              const AttentionShape& rule, uint8_t* cells, cudaStream_t stream);
+                              const AttentionShape& rule, uint8_t* cells, uint8_t* bits,
+                              cudaStream_t stream);
 
 // Launches the forward on `stream`; never synchronises. Returns the first CUDA error seen.
-// args.mask_map: the mask's block map (with a mask);
+// args.mask_map, args.mask_bits: the mask's block map and bits (with a mask);
 // args.workspace[0]: ForwardWorkspaceBytes(shape) bytes for the order of the query blocks and
 // the split-KV partial results.
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream);
 
-// Launches the backward on `stream`; args.mask_map as in Forward, args.workspace[0] is an fp32
+// Launches the backward on `stream`; args.mask_map and mask_bits as in Forward, args.workspace[0] is an fp32
 // dq accumulator shaped like q, args.workspace[1] BackwardWorkspaceBytes(shape) bytes for the
 // order of the key blocks and an fp32 dbias accumulator.
 cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream);

@@ -13,9 +13,11 @@ namespace dmattn::cuda {
 // Flags of the mask per 64 x 64 cell (kTileAny | kTileAll), built in one pass before the attention
 // kernels (block_map.cu) so that they find their next non-empty tile, and skip the element test of
 // all-true tiles, from a few bytes. One mask entry (the [Lq|1, Lk|1] slice of a batch/head entry)
-// has rows x cols cells, row-major; a dim the mask broadcasts over has one cell.
+// has rows x cols cells, row-major; a dim the mask broadcasts over has one cell. The same pass
+// packs the mask to bits (cuda/attention.h), which the Hopper forward reads instead of its bytes.
 struct MaskBlockMap {
   const uint8_t* cells = nullptr;
+  const uint8_t* bits = nullptr;
   int64_t entry_elems = 1;  // mask elements per entry
   int rows = 0;
   int cols = 0;

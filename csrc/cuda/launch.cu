@@ -163,11 +163,12 @@ cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStrea
 
 std::atomic<int> forward_kernel_setting{static_cast<int>(ForwardKernel::kAuto)};
 
-// The Hopper forward reads a mask or bias tile by TMA (sm90/fwd_launch.cuh): rows of whole
-// 16-byte units, not broadcast over keys, at head dims with 128-key blocks.
-bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int64_t elem_bytes) {
+// The Hopper forward reads bias tiles by TMA (rows of whole 16-byte units) and mask tiles from
+// the mask's bits (rows padded to 16 bytes: any Lk), neither broadcast over keys, at the head
+// dims with 128-key blocks (sm90/fwd_launch.cuh).
+bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int64_t keys_per_unit) {
   return !op.present ||
-         (s.head_dim <= 128 && op.col_stride == 1 && (s.seqlen_k * elem_bytes) % 16 == 0);
+         (s.head_dim <= 128 && op.col_stride == 1 && s.seqlen_k % keys_per_unit == 0);
 }
 
 }  // namespace
@@ -182,7 +183,7 @@ ForwardKernel ForwardKernelSetting() {
 bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
   return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
-         HopperReadsOperand(s, s.bias, 2) && num_splits == 1 && s.seqlen_q > 0 &&
+         HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0;
 }
 
@@ -303,8 +304,10 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.bias_vec = VectorOk(shape, shape.bias, p.bias, 2);
   if (!p.mask) p.s.mask.present = false;
   if (!p.bias) p.s.bias.present = false;
-  if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
-  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
+  if (p.mask != nullptr && (args.mask_map == nullptr || args.mask_bits == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map, args.mask_bits);
   // The workspace ([tile counter][block order][split partials]) was sized at trace time by the
   // same rules; no counter, no order and fewer splits if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
@@ -386,8 +389,10 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   if (!p.bias) p.s.bias.present = false;
   p.compute_dq = !shape.deterministic;
   if (p.compute_dq && p.dq_accum == nullptr) return cudaErrorInvalidValue;
-  if (p.mask != nullptr && args.mask_map == nullptr) return cudaErrorInvalidValue;
-  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map);
+  if (p.mask != nullptr && (args.mask_map == nullptr || args.mask_bits == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  p.mask_map = MaskBlockMapLayout(p.s, args.mask_map, args.mask_bits);
 
   const Members mem = KvMembers(shape);
   p.dkv_batch = shape.dkv_batch;

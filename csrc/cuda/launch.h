@@ -68,8 +68,9 @@ struct BwdLaunch {
   int64_t dbias_elems = 0;
 };
 
-// How the kernels read the block map `cells` (BuildMaskBlockMap) of the call's mask.
-MaskBlockMap MaskBlockMapLayout(const AttentionShape& shape, const uint8_t* cells);
+// How the kernels read the block map `cells` and the bits (BuildMaskBlockMap) of the call's mask.
+MaskBlockMap MaskBlockMapLayout(const AttentionShape& shape, const uint8_t* cells,
+                                const uint8_t* bits);
 
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);

@@ -12,7 +12,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map) {
+ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
+                          const uint8_t* mask_bits) {
   if (shape.dtype == ElementType::kFloat32) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: CUDA kernels take float16 or bfloat16, not float32");
@@ -22,9 +23,10 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map) 
                       "jax_dmattn: no CUDA kernel compiled for head dim " +
                           std::to_string(shape.head_dim));
   }
-  if (shape.mask.present && mask_map == nullptr) {
+  if (shape.mask.present && (mask_map == nullptr || mask_bits == nullptr)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: a CUDA call with a mask needs its mask_map operand");
+                      "jax_dmattn: a CUDA call with a mask needs its mask_map and mask_bits "
+                      "operands");
   }
   return ffi::Error::Success();
 }
@@ -40,7 +42,7 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remain
   AttentionShape shape;
   ForwardArgs ptrs;
   if (auto e = DecodeForward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
-  if (auto e = CheckSupported(shape, ptrs.mask_map); e.failure()) return e;
+  if (auto e = CheckSupported(shape, ptrs.mask_map, ptrs.mask_bits); e.failure()) return e;
   return CudaStatus(cuda::Forward(shape, ptrs, stream), "forward");
 }
 
@@ -49,19 +51,21 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   AttentionShape shape;
   BackwardArgs ptrs;
   if (auto e = DecodeBackward(args, rets, attrs, &shape, &ptrs); e.failure()) return e;
-  if (auto e = CheckSupported(shape, ptrs.mask_map); e.failure()) return e;
+  if (auto e = CheckSupported(shape, ptrs.mask_map, ptrs.mask_bits); e.failure()) return e;
   return CudaStatus(cuda::Backward(shape, ptrs, stream), "backward");
 }
 
 ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
-                       ffi::ResultBuffer<ffi::U8> map, int64_t diagonal_offset,
+                       ffi::ResultBuffer<ffi::U8> map, ffi::ResultBuffer<ffi::U8> bits,
+                       int64_t diagonal_offset,
                        int64_t window_left, int64_t window_right) {
   const auto md = mask.dimensions();
-  if (!IsMaskMapOf(map->dimensions(), md)) {
+  if (!IsMaskMapOf(map->dimensions(), md) || !IsMaskBitsOf(bits->dimensions(), md)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: mask_map takes a mask [..., R, C] and returns uint8 "
                       "[..., ceil(R / cell), ceil(C / cell)], cell = " +
-                          std::to_string(kMaskMapCell));
+                          std::to_string(kMaskMapCell) +
+                          ", and uint8 [..., R, ceil(C / 128) * 16] (the bits)");
   }
   const size_t rank = md.size();
   int64_t entries = 1;
@@ -71,7 +75,8 @@ ffi::Error CudaMaskMap(cudaStream_t stream, ffi::Buffer<ffi::PRED> mask,
   rule.window_left = window_left;
   rule.window_right = window_right;
   return CudaStatus(cuda::BuildMaskBlockMap(mask.typed_data(), entries, md[rank - 2],
-                                            md[rank - 1], rule, map->typed_data(), stream),
+                                            md[rank - 1], rule, map->typed_data(),
+                                            bits->typed_data(), stream),
                     "mask_map");
 }
 
@@ -140,6 +145,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnBackwardCuda, dmattn::CudaBackward,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DmattnMaskMapCuda, dmattn::CudaMaskMap,
                               dmattn::OnStream()
                                   .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Attr<int64_t>("diagonal_offset")
                                   .Attr<int64_t>("window_left")

@@ -173,15 +173,23 @@ ffi::Error DecodeSeqlens(ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, Attentio
   return ffi::Error::Success();
 }
 
-// The CUDA kernels' mask block map of `mask`, checked against its dims.
-ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t** out) {
+// The CUDA kernels' mask block map and bit-packed mask of `mask`, checked against its dims.
+ffi::Error DecodeMaskSummaries(ffi::AnyBuffer map, ffi::AnyBuffer bits, ffi::AnyBuffer mask,
+                               const uint8_t** map_out, const uint8_t** bits_out) {
   if (map.element_type() != ffi::DataType::U8 ||
       !IsMaskMapOf(map.dimensions(), mask.dimensions())) {
     return Invalid("mask_map must be uint8 of the mask's dims with its last two divided by " +
                    std::to_string(kMaskMapCell) + " (rounded up), got " +
                    DimsString(map.dimensions()) + " for mask " + DimsString(mask.dimensions()));
   }
-  *out = static_cast<const uint8_t*>(map.untyped_data());
+  if (bits.element_type() != ffi::DataType::U8 ||
+      !IsMaskBitsOf(bits.dimensions(), mask.dimensions())) {
+    return Invalid("mask_bits must be uint8 of the mask's dims with its last one in bytes of "
+                   "bits, padded to 16, got " + DimsString(bits.dimensions()) + " for mask " +
+                   DimsString(mask.dimensions()));
+  }
+  *map_out = static_cast<const uint8_t*>(map.untyped_data());
+  *bits_out = static_cast<const uint8_t*>(bits.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -189,7 +197,8 @@ ffi::Error DecodeMaskMap(ffi::AnyBuffer map, ffi::AnyBuffer mask, const uint8_t*
 ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
                                   ffi::DataType dtype, AttentionShape* s, const bool** mask,
                                   const void** bias, const int32_t** q_lens,
-                                  const int32_t** kv_lens, const uint8_t** mask_map) {
+                                  const int32_t** kv_lens, const uint8_t** mask_map,
+                                  const uint8_t** mask_bits) {
   std::optional<ffi::AnyBuffer> mask_buffer;
   if (attrs.has_mask) {
     DMATTN_ASSIGN_OR_RETURN(m, cursor.Next("mask"));
@@ -213,7 +222,8 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));
-    return DecodeMaskMap(map, *mask_buffer, mask_map);
+    DMATTN_ASSIGN_OR_RETURN(bits, cursor.Next("mask_bits"));
+    return DecodeMaskSummaries(map, bits, *mask_buffer, mask_map, mask_bits);
   }
   return ffi::Error::Success();
 }
@@ -296,7 +306,8 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
   if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens, &p->mask_map);
+                                      &p->q_lens, &p->kv_lens, &p->mask_map,
+                                      &p->mask_bits);
       e.failure()) {
     return e;
   }
@@ -331,7 +342,8 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   if (auto e = ExpectLse(dlse, *s, "dlse"); e.failure()) return e;
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens, &p->mask_map);
+                                      &p->q_lens, &p->kv_lens, &p->mask_map,
+                                      &p->mask_bits);
       e.failure()) {
     return e;
   }
@@ -432,6 +444,14 @@ ffi::Error DecodeListedKeys(ffi::AnyBuffer grad, ffi::AnyBuffer slots, ffi::AnyB
   p->spans = static_cast<const int32_t*>(spans.untyped_data());
   p->out = out.untyped_data();
   return ffi::Error::Success();
+}
+
+bool IsMaskBitsOf(ffi::AnyBuffer::Dimensions bits, ffi::AnyBuffer::Dimensions mask) {
+  if (mask.size() < 2 || bits.size() != mask.size()) return false;
+  for (size_t d = 0; d + 1 < mask.size(); ++d) {
+    if (bits[d] != mask[d]) return false;
+  }
+  return bits[mask.size() - 1] == MaskBitsRowBytes(mask[mask.size() - 1]);
 }
 
 bool IsMaskMapOf(ffi::AnyBuffer::Dimensions map, ffi::AnyBuffer::Dimensions mask) {

@@ -1,11 +1,13 @@
 // Decoding of an FFI call frame into the one params struct, for both platforms.
 //
 // Operand order (mirrored by jax_dmattn/_ffi.py):
-//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [mask_map]
+//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
-//   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens], [mask_map]
+//   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
+//                  [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
-// mask_map: the CUDA kernels' mask block map (cuda/attention.h), which they need with a mask.
+// mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
+// which they need with a mask.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +53,9 @@ xla::ffi::Error DecodeBackward(const xla::ffi::RemainingArgs& args,
 // True when `map` has the dims of the CUDA mask block map (cuda/attention.h) of a mask with dims
 // `mask`: the same, the last two divided by kMaskMapCell and rounded up.
 bool IsMaskMapOf(xla::ffi::AnyBuffer::Dimensions map, xla::ffi::AnyBuffer::Dimensions mask);
+// True when `bits` has the dims of the CUDA bit-packed mask of a mask with dims `mask`: the
+// same, the last one MaskBitsRowBytes of it.
+bool IsMaskBitsOf(xla::ffi::AnyBuffer::Dimensions bits, xla::ffi::AnyBuffer::Dimensions mask);
 
 // The listed-keys gradient sum (common/params.h, ListedKeysShape): args grad, slots, spans;
 // ret out.

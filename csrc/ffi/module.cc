@@ -1,10 +1,12 @@
 // The Python extension: handler capsules per platform and a few facts about this build.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -116,13 +118,19 @@ int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> 
   return dmattn::cuda::BackwardWorkspaceBytes(shape);
 }
 
-// The shape a CUDA forward call with these q and k shapes decodes to.
-dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k) {
+using OptionalDims = std::optional<std::vector<int64_t>>;
+
+// The shape a CUDA forward call with these q and k (and mask and bias) shapes decodes to.
+dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                                    const OptionalDims& mask = {}, const OptionalDims& bias = {}) {
   ShapeOnlyBuffers b;
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
-  const dmattn::Buffers args = {qb, kb, kb};
+  dmattn::Buffers args = {qb, kb, kb};
+  if (mask) args.push_back(b.Add(*mask, XLA_FFI_DataType_PRED));
+  if (bias) args.push_back(b.Add(*bias, XLA_FFI_DataType_BF16));
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, false, false, false};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, mask.has_value(), bias.has_value(), false,
+                               false};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;
   ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
@@ -139,12 +147,9 @@ int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k
 }
 
 // The forward kernel a CUDA call with these shapes runs on the current device.
-std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, bool has_mask,
-                              bool has_bias) {
-  dmattn::AttentionShape shape = ForwardShape(q, k);
-  shape.mask.present = has_mask;
-  shape.bias.present = has_bias;
-  return dmattn::cuda::ForwardKernelName(shape);
+std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, OptionalDims mask,
+                              OptionalDims bias) {
+  return dmattn::cuda::ForwardKernelName(ForwardShape(q, k, mask, bias));
 }
 
 void CudaSetForwardKernel(const std::string& name) {
@@ -174,7 +179,8 @@ NB_MODULE(_dmattn, m) {
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
         "Bytes of the CUDA forward's workspace (query-block order, split-KV partials).");
-  m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "has_mask"_a, "has_bias"_a,
+  m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "mask"_a.none(),
+        "bias"_a.none(),
         "The CUDA forward kernel for these shapes on the current device: 'hopper', 'flash2' "
         "or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,

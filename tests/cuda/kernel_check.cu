@@ -490,7 +490,7 @@ bool DtypeCompiled(bool bf16) {
 
 struct Buffers {
   uint16_t *q, *k, *v, *bias, *dout;
-  uint8_t *mask, *mask_map;
+  uint8_t *mask, *mask_map, *mask_bits;
   float* dlse;
   int32_t *ql, *kl;
 };
@@ -538,6 +538,7 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.v = in.v;
   fa.mask = reinterpret_cast<const bool*>(in.mask);
   fa.mask_map = in.mask_map;
+  fa.mask_bits = in.mask_bits;
   fa.bias = in.bias;
   fa.q_lens = in.ql;
   fa.kv_lens = in.kl;
@@ -580,6 +581,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.dlse = in.dlse;
   ba.mask = reinterpret_cast<const bool*>(in.mask);
   ba.mask_map = in.mask_map;
+  ba.mask_bits = in.mask_bits;
   ba.bias = in.bias;
   ba.q_lens = in.ql;
   ba.kv_lens = in.kl;
@@ -628,19 +630,21 @@ void Worst(const char* what, const std::vector<uint16_t>& x, const std::vector<d
               static_cast<long long>(rem % D), dt.dec(x[wi]), ref[wi]);
 }
 
-// The mask's block map, as the FFI layer's mask_map call makes it (null without a mask).
-uint8_t* BuildMaskMap(const AttentionShape& s, const uint8_t* mask) {
-  if (mask == nullptr) return nullptr;
+// The mask's block map and bits, as the FFI layer's mask_map call makes them (poisoned first, so
+// that a byte the pass leaves unwritten shows; null without a mask).
+void BuildMaskMap(const AttentionShape& s, const uint8_t* mask, uint8_t** cells, uint8_t** bits) {
+  *cells = *bits = nullptr;
+  if (mask == nullptr) return;
   const int64_t rows = s.mask.row_stride != 0 ? s.seqlen_q : 1;
   const int64_t cols = s.mask.col_stride != 0 ? s.seqlen_k : 1;
   const bool full = rows == s.seqlen_q && cols == s.seqlen_k;
   const int64_t entries = s.mask.num_elements / std::max<int64_t>(rows * cols, 1);
   const int64_t cell = dmattn::kMaskMapCell;
-  auto* cells = static_cast<uint8_t*>(
+  *cells = static_cast<uint8_t*>(
       Poisoned(entries * ((rows + cell - 1) / cell) * ((cols + cell - 1) / cell)));
+  *bits = static_cast<uint8_t*>(Poisoned(entries * rows * dmattn::MaskBitsRowBytes(cols)));
   CK(dmattn::cuda::BuildMaskBlockMap(reinterpret_cast<const bool*>(mask), entries, rows, cols,
-                                     full ? s : AttentionShape{}, cells, 0));
-  return cells;
+                                     full ? s : AttentionShape{}, *cells, *bits, 0));
 }
 
 Buffers UploadInputs(const Problem& P) {
@@ -651,7 +655,7 @@ Buffers UploadInputs(const Problem& P) {
   b.bias = Upload(P.bias);
   b.dout = Upload(P.dout);
   b.mask = Upload(P.mask);
-  b.mask_map = BuildMaskMap(P.s, b.mask);
+  BuildMaskMap(P.s, b.mask, &b.mask_map, &b.mask_bits);
   b.dlse = Upload(P.dlse);
   b.ql = Upload(P.q_lens);
   b.kl = Upload(P.kv_lens);
@@ -661,6 +665,7 @@ void FreeInputs(Buffers& b) {
   for (void* p : {static_cast<void*>(b.q), static_cast<void*>(b.k), static_cast<void*>(b.v),
                   static_cast<void*>(b.bias), static_cast<void*>(b.dout),
                   static_cast<void*>(b.mask), static_cast<void*>(b.mask_map),
+                  static_cast<void*>(b.mask_bits),
                   static_cast<void*>(b.dlse),
                   static_cast<void*>(b.ql), static_cast<void*>(b.kl)})
     if (p) CK(cudaFree(p));

@@ -65,7 +65,7 @@ inline int64_t HeadsSharingL2(const AttentionShape& s) {
 inline bool Takes(const FwdParams& p) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return HopperForwardTakes(p.s, p.num_splits) && aligned(p.q) && aligned(p.k) &&
-         aligned(p.v) && aligned(p.out) && aligned(p.bias) && aligned(p.mask);
+         aligned(p.v) && aligned(p.out) && aligned(p.bias) && aligned(p.mask_map.bits);
 }
 
 template <typename Tr, typename T>
@@ -99,15 +99,15 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
     const OperandShape o = OperandShapeOf(s, s.bias);
     P.bias_tiles = o.tiles;
     e = EncodeOperandMap(&P.bias_tma, params.bias, 2, s.dtype, o.batch_entries, o.head_entries,
-                         o.rows, o.cols, o.tiles.one_row ? Tr::BN : 64,
+                         o.rows, o.cols, o.cols * 2, o.tiles.one_row ? Tr::BN : 64,
                          o.tiles.one_row ? 1 : Tr::BM, !o.tiles.one_row);
   }
   if (e == cudaSuccess && params.mask != nullptr) {
     const OperandShape o = OperandShapeOf(s, s.mask);
     P.mask_tiles = o.tiles;
-    e = EncodeOperandMap(&P.mask_tma, params.mask, 1, s.dtype, o.batch_entries, o.head_entries,
-                         o.rows, o.cols, Tr::BN, o.tiles.one_row ? 1 : Tr::BM,
-                         !o.tiles.one_row);
+    e = EncodeOperandMap(&P.mask_tma, params.mask_map.bits, 1, s.dtype, o.batch_entries,
+                         o.head_entries, o.rows, (o.cols + 7) / 8, MaskBitsRowBytes(o.cols),
+                         Tr::BN / 8, o.tiles.one_row ? 1 : Tr::BM, false);
   }
   if (e != cudaSuccess) return e;
   auto kernel = fwd_kernel<Tr, T>;

@@ -44,7 +44,7 @@ struct FwdParamsSm90 {
   CUtensorMap v_tma;
   CUtensorMap o_tma;     // unused when out is float32
   CUtensorMap bias_tma;  // with a bias
-  CUtensorMap mask_tma;  // with a mask
+  CUtensorMap mask_tma;  // with a mask: its bits (MaskBlockMap::bits)
 };
 
 }  // namespace dmattn::cuda::sm90

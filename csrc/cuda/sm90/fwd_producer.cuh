@@ -19,8 +19,8 @@ __device__ __forceinline__ bool loads_mask(const FwdParams& p, int flags) {
   return p.mask != nullptr && !(flags & detail::kTileAll);
 }
 
-// TMA loads of the bias tile, then (unless all true) the mask tile of key block n into their
-// rings' next slots, each once the consumers have released it.
+// TMA loads of the bias tile, then (unless all true) the tile of the mask's bits of key block n
+// into their rings' next slots, each once the consumers have released it.
 template <typename Tr>
 __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* smem,
                                               const FwdBarriers<Tr>& bar, const TileWork& w,
@@ -54,10 +54,10 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
     RingPos<Tr::kMaskStages>& pos = rings.mask;
     mbar_wait(bar.mask_empty(pos.slot), pos.parity ^ 1);
     if (leader) {
-      mbar_arrive_expect_tx(bar.mask_full(pos.slot), (o.one_row ? 1 : BM) * BN);
+      mbar_arrive_expect_tx(bar.mask_full(pos.slot), (o.one_row ? 1 : BM) * BN / 8);
       tma_load(smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, &P.mask_tma,
-               bar.mask_full(pos.slot), n * BN, o.one_row ? 0 : w.m0, o.head_coord(s.mask, w.h),
-               o.batch_coord(s.mask, s.batch, w.b));
+               bar.mask_full(pos.slot), n * BN / 8, o.one_row ? 0 : w.m0,
+               o.head_coord(s.mask, w.h), o.batch_coord(s.mask, s.batch, w.b));
     }
     pos.advance();
   }

@@ -79,22 +79,24 @@ __device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* 
   }
 }
 
-// -inf where a mask tile is false (rows of 128 bytes whose 16-byte chunks are XOR-ed with
-// row % 8, or one row broadcast over queries).
+// -inf where the mask is false, from a tile of its bits (rows of 16 bytes, key c of the block in
+// bit c % 8 of byte c / 8, or one row broadcast over queries): a thread's pair 8 t + 2 tq, +1 is
+// bits 8 (t % 4) + 2 tq, +1 of the row's word t / 4.
 template <typename Tr>
 __device__ __forceinline__ void apply_mask(float (&s)[Tr::BN / 2], const uint8_t* tile,
                                            const FwdParamsSm90& P, const ConsumerThread& th) {
+  static_assert(Tr::NTS == 16, "one 16-byte row of bits per row of the tile");
   const bool one_row = P.mask_tiles.one_row;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = th.tile_row(half);
-    const int base = one_row ? 2 * th.tq : r * 128 + ((r & 7) << 4) + 2 * th.tq;
+    const uint4 row = *reinterpret_cast<const uint4*>(tile + (one_row ? 0 : 16 * th.tile_row(half)));
+    const uint32_t words[4] = {row.x >> (2 * th.tq), row.y >> (2 * th.tq), row.z >> (2 * th.tq),
+                               row.w >> (2 * th.tq)};
 #pragma unroll
     for (int t = 0; t < Tr::NTS; ++t) {
-      const int off = one_row ? base + 8 * t : (base ^ ((t / 2) << 4)) + 8 * (t & 1);
-      const uint16_t m = *reinterpret_cast<const uint16_t*>(tile + off);
-      if (!(m & 0xff)) s[4 * t + 2 * half] = -INFINITY;
-      if (!(m >> 8)) s[4 * t + 2 * half + 1] = -INFINITY;
+      const uint32_t pair = words[t / 4] >> (8 * (t % 4));
+      if (!(pair & 1u)) s[4 * t + 2 * half] = -INFINITY;
+      if (!(pair & 2u)) s[4 * t + 2 * half + 1] = -INFINITY;
     }
   }
 }

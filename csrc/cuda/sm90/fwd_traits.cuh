@@ -48,12 +48,12 @@ struct FwdTraits {
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   // The operand rings: kBiasStages bias tiles (BM x BN, 16-bit, 64-column panels in the 128-byte
-  // swizzle, or one plain row for a bias broadcast over queries), kMaskStages mask tiles (BM rows
-  // of BN = 128 bytes in the 128-byte swizzle, or one plain row). Two bias tiles do not fit
-  // beside two mask tiles; the mask's second stage hides its loads where every tile is partial.
+  // swizzle, or one plain row for a bias broadcast over queries), kMaskStages tiles of the mask's
+  // bits (BM plain rows of BN / 8 = 16 bytes, or one row). Two bias tiles do not fit beside the
+  // K / V ring at D = 128; the mask's second stage hides its loads where every tile is partial.
   static constexpr int kBiasStages = 1, kMaskStages = 2;
   static constexpr uint32_t kBiasBytes = kOperands ? BM * BN * 2 : 0;
-  static constexpr uint32_t kMaskBytes = kOperands ? BM * BN : 0;
+  static constexpr uint32_t kMaskBytes = kOperands ? BM * BN / 8 : 0;
   static constexpr uint32_t kOffBias = kOffV + kStages * kKVBytes;
   static constexpr uint32_t kOffMask = kOffBias + kBiasStages * kBiasBytes;
   static constexpr uint32_t kEndOperands = kOffMask + kMaskStages * kMaskBytes;
@@ -73,7 +73,7 @@ struct FwdTraits {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kBiasBytes % 1024 == 0 &&
                     kMaskBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
-  static_assert(!kOperands || BN == 128, "mask rows of 128 bytes (one swizzled panel)");
+  static_assert(!kOperands || BN == 128, "a row of a mask tile is one 16-byte unit of bits");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
 
   // Every consumer warp releases a ring slot (and Q) once its wgmmas have read it.

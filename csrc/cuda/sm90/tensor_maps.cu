@@ -66,9 +66,8 @@ cudaError_t EncodeRowMajorMap(CUtensorMap* map, const void* base, ElementType dt
 
 cudaError_t EncodeOperandMap(CUtensorMap* map, const void* base, int element_bytes,
                              ElementType dtype, int64_t batch_entries, int64_t head_entries,
-                             int64_t rows, int64_t cols, int box_cols, int box_rows,
-                             bool swizzle) {
-  const int64_t row_bytes = cols * element_bytes;
+                             int64_t rows, int64_t cols, int64_t row_bytes, int box_cols,
+                             int box_rows, bool swizzle) {
   return Encode(map, base, element_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : Type16(dtype),
                 {cols, rows, head_entries, batch_entries},
                 {row_bytes, rows * row_bytes, head_entries * rows * row_bytes},

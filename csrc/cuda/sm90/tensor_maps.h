@@ -19,13 +19,14 @@ cudaError_t EncodeRowMajorMap(CUtensorMap* map, const void* base, ElementType dt
                               int64_t entries, int64_t rows, int64_t heads, int64_t head_dim,
                               int box_rows);
 
-// A mask (1-byte) or bias (16-bit `dtype`) operand viewed as [batch entries, head entries,
-// rows, cols] (its own contiguous shape, a broadcast dim of size 1), in boxes of box_cols x
-// box_rows x 1 x 1. With `swizzle`, rows of 128 bytes in the 128-byte swizzle (box_cols * element
-// bytes == 128), else plain rows. Out-of-bounds elements load as zeros.
+// A bias (16-bit `dtype`) or the mask's bits (bytes) viewed as [batch entries, head entries,
+// rows, cols] (its own contiguous shape, a broadcast dim of size 1; rows of row_bytes, a
+// multiple of 16), in boxes of box_cols x box_rows x 1 x 1. With `swizzle`, rows of 128 bytes in
+// the 128-byte swizzle (box_cols * element bytes == 128), else plain rows. Out-of-bounds
+// elements load as zeros.
 cudaError_t EncodeOperandMap(CUtensorMap* map, const void* base, int element_bytes,
                              ElementType dtype, int64_t batch_entries, int64_t head_entries,
-                             int64_t rows, int64_t cols, int box_cols, int box_rows,
-                             bool swizzle);
+                             int64_t rows, int64_t cols, int64_t row_bytes, int box_cols,
+                             int box_rows, bool swizzle);
 
 }  // namespace dmattn::cuda::sm90
