@@ -140,12 +140,14 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
                                               OperandRings<Tr>& operands, const TileWork& w,
                                               const ConsumerThread& th, int n, int flags) {
   const FwdParams& p = P.p;
-  if (Tr::kOperands && p.bias != nullptr) {
-    RingPos<Tr::kBiasStages>& pos = operands.bias;
-    mbar_wait(bar.bias_full(pos.slot), pos.parity);
-    add_bias<Tr, T>(s, smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes, P, th);
-    th.release(bar.bias_empty(pos.slot));
-    pos.advance();
+  if constexpr (Tr::kOperands) {
+    if (p.bias != nullptr) {
+      RingPos<Tr::kBiasStages>& pos = operands.bias;
+      mbar_wait(bar.bias_full(pos.slot), pos.parity);
+      add_bias<Tr, T>(s, smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes, P, th);
+      th.release(bar.bias_empty(pos.slot));
+      pos.advance();
+    }
   }
   if (p.softcap > 0.f) {
 #pragma unroll
@@ -153,12 +155,14 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
       s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
     }
   }
-  if (Tr::kOperands && loads_mask(p, flags)) {
-    RingPos<Tr::kMaskStages>& pos = operands.mask;
-    mbar_wait(bar.mask_full(pos.slot), pos.parity);
-    apply_mask<Tr>(s, smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, P, th);
-    th.release(bar.mask_empty(pos.slot));
-    pos.advance();
+  if constexpr (Tr::kOperands) {
+    if (loads_mask(p, flags)) {
+      RingPos<Tr::kMaskStages>& pos = operands.mask;
+      mbar_wait(bar.mask_full(pos.slot), pos.parity);
+      apply_mask<Tr>(s, smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, P, th);
+      th.release(bar.mask_empty(pos.slot));
+      pos.advance();
+    }
   }
   hide_out_of_bounds<Tr>(s, p, w, th, n);
 }
