@@ -80,7 +80,8 @@ sync_out
 san() {
   if [ "$(el)" -gt "$2" ]; then echo "$1 not run (time budget)" >> "$LOG/summary.txt"; return; fi
   timeout -k 5 "$3" compute-sanitizer --tool "$1" build/kernel_check --quick > "$LOG/$1.log" 2>&1
-  echo "$1 rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOG/$1.log" | tail -1)" >> "$LOG/summary.txt"
+  echo "$1 rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOG/$1.log" | tail -1);" \
+    "failed cases: $(grep -c ' FAIL' "$LOG/$1.log")" >> "$LOG/summary.txt"
 }
 san memcheck 200 25
 san racecheck 200 30

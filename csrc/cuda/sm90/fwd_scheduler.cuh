@@ -56,14 +56,17 @@ struct TileQueue {
     mbar_arrive(full + pos.slot);
     pos.advance();
   }
-  // The next tile; each consumer warp's lane 0 releases the slot once the warp has read it.
+  // The next tile, read by each consumer warp's lane 0 and passed to its lanes: an arrival
+  // releases only its own thread's reads, so the lane that reads is the lane that arrives.
   __device__ __forceinline__ int64_t pop(RingPos<kSlots>& pos, int lane) const {
     mbar_wait(full + pos.slot, pos.parity);
-    const int64_t t = tiles[pos.slot];
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + pos.slot);
+    int64_t t = 0;
+    if (lane == 0) {
+      t = tiles[pos.slot];
+      mbar_arrive(empty + pos.slot);
+    }
     pos.advance();
-    return t;
+    return __shfl_sync(0xffffffffu, t, 0);
   }
 };
 
