@@ -222,14 +222,22 @@ def masked_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: list[dict], env: dict) -> str:
-    lines = [
-        "# Dense forward: jax_dmattn, cuDNN and Pallas Mosaic GPU side by side",
+def header(env: dict) -> str:
+    return "\n".join([
+        "# Forward: jax_dmattn, cuDNN and Pallas Mosaic GPU side by side",
         "",
         f"GPU: {env['gpu']}; JAX {env['jax']}; Python {env['python']}; {env['date']}.",
         f"Command: `{env['command']}`.",
         "",
-        f"bf16 (Pallas: fp16); back to back, {CALLS} calls then one block, best of {REPEATS}; "
+        f"bf16 (Pallas: fp16); back to back, {CALLS} calls then one block, best of {REPEATS}.",
+    ]) + "\n"
+
+
+def dense_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "## Dense workloads",
+        "",
         "TF/s by DESIGN.md §5 (causal halved); ratio = cuDNN time / time. `kernel`: what the "
         "dispatcher ran for jax_dmattn. Relative errors are against cuDNN's output.",
         "",
@@ -267,7 +275,8 @@ def main() -> None:
               flush=True)
         jax.clear_caches()
     masked = masked_rows(args.quick) if args.only != "dense" else []
-    text = markdown(rows, env) + masked_markdown(masked)
+    text = (header(env) + (dense_markdown(rows) if rows else "")
+            + (masked_markdown(masked) if masked else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hopper_forward.md").write_text(text)
     (args.out / "hopper_forward.json").write_text(

@@ -135,7 +135,7 @@ HOPPER_CASES = [
     Case(B=1, Lq=17, Lk=64, H=2, Hk=1, D=64, dtype="float16", causal=True),
     Case(B=4, Lq=1100, Lk=1500, H=8, Hk=8, D=64, dtype="bfloat16", causal=True, softcap=30.0),
     Case(B=2, Lq=300, Lk=257, H=32, Hk=8, D=256, dtype="bfloat16", softcap=20.0),
-    Case(B=2, Lq=300, Lk=203, H=8, Hk=2, D=128, dtype="bfloat16", causal=True,
+    Case(B=2, Lq=1000, Lk=203, H=16, Hk=4, D=128, dtype="bfloat16", causal=True,
          mask=("B", "Hk", "Lq", "Lk")),
 ]
 

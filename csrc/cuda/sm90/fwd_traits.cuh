@@ -49,12 +49,15 @@ struct FwdTraits {
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   // The operand rings: kBiasStages bias tiles (BM x BN, 16-bit, 64-column panels in the 128-byte
   // swizzle, or one plain row for a bias broadcast over queries), kMaskStages tiles of the mask's
-  // bits (BM plain rows of BN / 8 = 16 bytes, or one row). Two bias tiles do not fit beside the
-  // K / V ring at D = 128; the mask's second stage hides its loads where every tile is partial.
-  static constexpr int kBiasStages = 1, kMaskStages = 2;
+  // bits (BM plain rows of BN / 8 = 16 bytes, or one row). A full-size bias streams from memory
+  // at about the rate the GEMMs take it, so its tile loads a block ahead (two stages); the
+  // mask's second stage, where it fits (not at D = 128), hides its short loads.
   static constexpr uint32_t kBiasBytes = kOperands ? BM * BN * 2 : 0;
   static constexpr uint32_t kMaskBytes = kOperands ? BM * BN / 8 : 0;
   static constexpr uint32_t kOffBias = kOffV + kStages * kKVBytes;
+  static constexpr int kBiasStages = 2;
+  static constexpr int kMaskStages =
+      kOffBias + kBiasStages * kBiasBytes + 2 * kMaskBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kOffMask = kOffBias + kBiasStages * kBiasBytes;
   static constexpr uint32_t kEndOperands = kOffMask + kMaskStages * kMaskBytes;
   // O is staged in a tile of its own where it fits (the next tile's Q then loads during the
