@@ -36,7 +36,8 @@ def gpu_summary() -> str | None:
     info = _ffi.build_info()
     if not info["cuda"]:
         verdict = ("this build has no CUDA kernels, so calls on it run the pure-JAX reference "
-                   "(reinstall where nvcc is found: README, Building the CUDA kernels)")
+                   "(reinstall with JAX_DMATTN_CUDA_WHEELS=13 pip install .: README, Building the "
+                   "CUDA kernels)")
     elif not _ffi.cuda_arch_runs_on(capability):
         verdict = (f"no compiled arch ({info['cuda_archs']}) runs on it, so calls on it run the "
                    "pure-JAX reference (rebuild with JAX_DMATTN_CUDA_ARCHS naming it)")

@@ -157,7 +157,8 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     has one."""
     if not _ffi.has_cuda_kernels():
         return ("this jax_dmattn build has no CUDA kernels",
-                "Reinstall it where nvcc is found (README: Building the CUDA kernels).")
+                "Reinstall it with JAX_DMATTN_CUDA_WHEELS=13 pip install . (nvcc from the "
+                "registry), or where nvcc is found (README: Building the CUDA kernels).")
     capability = _ffi.local_gpu_compute_capability()
     if capability is not None and not _ffi.cuda_arch_runs_on(capability):
         archs = _ffi.build_info()["cuda_archs"]

@@ -49,7 +49,8 @@ def check_implementation(implementation: str | None) -> None:
     if implementation == "cuda" and not _ffi.has_cuda_kernels():
         raise ValueError(
             "implementation='cuda' needs the CUDA kernels, but this build of jax_dmattn has "
-            "none (rebuild with -C cmake.define.JAX_DMATTN_CUDA=ON on a machine with nvcc)")
+            "none (reinstall with JAX_DMATTN_CUDA_WHEELS=13 pip install ., or where nvcc is "
+            "found: README, Building the CUDA kernels)")
 
 
 def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array, ...]:
