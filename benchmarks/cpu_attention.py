@@ -12,12 +12,12 @@ import argparse
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _command import recorded_command
 
 import jax_dmattn
 from jax_dmattn._timing import median_ms
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     rows = run(args.length, args.iters)
-    write(rows, args.length, "python " + " ".join(sys.argv))
+    write(rows, args.length, recorded_command())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import json
 import platform
-import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _command import recorded_command
 
 import jax_dmattn
 from jax_dmattn._timing import attention_flops, median_ms
@@ -527,7 +527,7 @@ def main() -> None:
     warmup_s = 0.3 if on_gpu and not args.quick else 0.0
     bench = Bench(on_gpu=on_gpu, quick=args.quick, iters=iters, warmup=1 if args.quick else 3,
                   warmup_s=warmup_s)
-    meta = {"command": "python " + shlex.join(sys.argv), "smoke_test": smoke or False,
+    meta = {"command": recorded_command(), "smoke_test": smoke or False,
             "quick": args.quick, "iters": iters, "warmup": bench.warmup, "warmup_s": warmup_s,
             "dtype": "bfloat16",
             "ours_implementation": bench.ours,

@@ -23,14 +23,13 @@ import argparse
 import datetime
 import json
 import platform
-import shlex
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from _command import recorded_command
 from gpu_suites import block_mask
 
 import jax_dmattn
@@ -195,7 +194,7 @@ def environment() -> dict:
                          capture_output=True, text=True).stdout.strip()
     return dict(gpu=smi, jax=jax.__version__, python=platform.python_version(),
                 date=datetime.date.today().isoformat(),
-                command="python " + shlex.join(["benchmarks/hopper_forward.py", *sys.argv[1:]]))
+                command=recorded_command())
 
 
 def masked_markdown(rows: list[dict]) -> str:

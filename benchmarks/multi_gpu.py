@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _command import recorded_command
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -173,7 +174,9 @@ def part_dp(quick: bool) -> None:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         rate = re.search(r"([\d,]+) tokens/s", out)
         results[devices] = float(rate.group(1).replace(",", "")) if rate else float("nan")
-        say(f"    {' '.join(cmd[2:])} ({devices} device(s)): {out.strip().splitlines()[-1]}")
+        example = Path(cmd[2]).relative_to(REPO)
+        say(f"    {' '.join([str(example), *cmd[3:]])} ({devices} device(s)): "
+            f"{out.strip().splitlines()[-1]}")
     say()
     say(f"### Data-parallel training, {per_gpu} sequences per device")
     say()
@@ -269,7 +272,7 @@ def main() -> None:
     devices = jax.devices()
     say(f"# Multi-device runs: {len(devices)} x {devices[0].device_kind}")
     say()
-    say(f"- command: `python {' '.join(sys.argv)}`")
+    say(f"- command: `{recorded_command()}`")
     say(f"- jax {jax.__version__}, jax_dmattn {jax_dmattn.__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     say()

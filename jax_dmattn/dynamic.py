@@ -126,7 +126,7 @@ def default_query_block(window: int) -> int:
     512. Larger blocks mean fewer, longer small problems (the kernels' loops over a block's keys
     and rows get longer, the gathered copies and their gradient sums fewer) but more keys per row
     (``window + block - 1``); on the H200, 512 rows for window 1024 were never far from the
-    best of 256, 512 and 1024 (benchmarks/results/dynamic_blocks.md)."""
+    best of 256, 512 and 1024 (benchmarks/results/logs/dynamic_blocks.md)."""
     return min(512, 64 * max(1, round(window / 128)))
 
 

@@ -73,7 +73,7 @@ struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>>
 // (two stages) serves grids the 128-key one would leave short of CTAs. The 128-key tile keeps
 // one stage (H200, tests/cuda/tune_bwd128.cu: two stages are slower, most with a mask) and takes
 // a per-query bias too (bias + mask [B,H,L,L] 5.96 ms against 6.24 on the 64-key tile;
-// benchmarks/results/bwd_tiles_h200.md).
+// benchmarks/results/logs/bwd_tiles_h200.md).
 template <int D>
 struct BwdConfigSm90 : BwdConfig<D> {};
 template <>

@@ -3,7 +3,7 @@
 // 3 = the library's sm_90a tiles with two Q/dO stages in the wide one; 4 / 5 = the 64-key
 // wgmma tile with two / one stages whatever the grid; 6 = the library's wide tile on
 // mma.sync; 7 = the library's wide tile whatever the grid and bias. Earlier warp-grid
-// experiments: benchmarks/results/bwd_tiles_h200.md. Not part of the library.
+// experiments: benchmarks/results/logs/bwd_tiles_h200.md. Not part of the library.
 #include "cuda/launch_template.cuh"
 
 namespace dmattn::cuda {
