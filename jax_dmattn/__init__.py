@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jax_dmattn import context_parallel, dynamic, masks, reference
+# sharding lowers the primitives to the kernels when imported (ops, below it, cannot import it).
+from jax_dmattn import context_parallel, dynamic, masks, reference, sharding  # noqa: F401
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
 from jax_dmattn.dynamic import dynamic_attention
 from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams

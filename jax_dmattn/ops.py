@@ -11,14 +11,16 @@ dk/dv have the full batch dims and dbias has the bias's shape with full vmap dim
 
 Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
 bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
-pure-JAX reference. Kernel calls go through ``sharding`` so that sharded inputs stay sharded.
+pure-JAX reference. The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
+sharded; sharding builds on this module, so it hands them over (:func:`register_lowerings`) when
+it is imported, which the package's ``__init__`` does.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -230,24 +232,6 @@ def _lowering(platform: str, kernel_fn, reference_fn):
     return rule
 
 
-def _register_lowerings() -> None:
-    from jax_dmattn import sharding  # sharding builds on this module's shapes
-
-    for platform in ("cpu", "cuda"):
-        mlir.register_lowering(
-            forward_p, _lowering(platform, sharding.kernel_forward, _reference_forward),
-            platform=platform)
-        mlir.register_lowering(
-            backward_p, _lowering(platform, sharding.kernel_backward, _reference_backward),
-            platform=platform)
-    # Any other platform (ROCm, TPU): the reference, unless a kernel was asked for explicitly.
-    mlir.register_lowering(forward_p, _lowering("other", None, _reference_forward))
-    mlir.register_lowering(backward_p, _lowering("other", None, _reference_backward))
-
-
-_register_lowerings()
-
-
 # ---- the gradient of dynamic attention's key gathers -------------------------------------------
 
 sum_listed_keys_p = Primitive("dmattn_sum_listed_keys")
@@ -289,14 +273,12 @@ def _sum_listed_keys_abstract_eval(grad, slots, spans):
     return _like(grad, (*lead, spans.shape[-1], channels, dim), grad.dtype)
 
 
-def _sum_listed_keys_lowering(platform: str):
+def _sum_listed_keys_lowering(platform: str, kernel_fn):
     def rule(ctx, grad, slots, spans):
-        from jax_dmattn import sharding
-
         kernel = platform == "cpu" or (platform == "cuda" and _ffi.has_cuda_kernels())
         if kernel and jnp.dtype(ctx.avals_in[0].dtype).name in ("float32", "float16",
                                                                   "bfloat16"):
-            fn = sharding.kernel_sum_listed_keys
+            fn = kernel_fn
         else:
             fn = _sum_listed_keys_xla
         return mlir.lower_fun(fn, multiple_results=False)(ctx, grad, slots, spans)
@@ -307,7 +289,37 @@ def _sum_listed_keys_lowering(platform: str):
 dispatch.prim_requires_devices_during_lowering.add(sum_listed_keys_p)
 sum_listed_keys_p.def_abstract_eval(_sum_listed_keys_abstract_eval)
 sum_listed_keys_p.def_impl(_eager(sum_listed_keys_p))
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering(_platform),
-                           platform=_platform)
-mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering("other"))
+
+
+# ---- lowering rules ---------------------------------------------------------------------------
+
+
+class KernelCalls(NamedTuple):
+    """The kernels' calls the primitives lower to on ``cpu`` and ``cuda``, each taking the
+    primitive's operands: ``forward(platform, params, opts, *operands) -> [out, lse]``,
+    ``backward(platform, params, opts, *operands) -> [dq, dk, dv, (dbias)]`` and
+    ``sum_listed_keys(grad, slots, spans)``."""
+
+    forward: Callable
+    backward: Callable
+    sum_listed_keys: Callable
+
+
+def register_lowerings(kernels: KernelCalls) -> None:
+    """Lowers the primitives to `kernels` on ``cpu`` and ``cuda`` (where a kernel fits the call,
+    else to the reference) and to the reference on any other platform (ROCm, TPU), unless a
+    kernel was asked for explicitly. Until then the primitives have no lowering at all, so that a
+    missing registration fails instead of silently running the reference."""
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(
+            forward_p, _lowering(platform, kernels.forward, _reference_forward),
+            platform=platform)
+        mlir.register_lowering(
+            backward_p, _lowering(platform, kernels.backward, _reference_backward),
+            platform=platform)
+        mlir.register_lowering(
+            sum_listed_keys_p, _sum_listed_keys_lowering(platform, kernels.sum_listed_keys),
+            platform=platform)
+    mlir.register_lowering(forward_p, _lowering("other", None, _reference_forward))
+    mlir.register_lowering(backward_p, _lowering("other", None, _reference_backward))
+    mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering("other", None))

@@ -14,6 +14,8 @@ mask or bias keeps its query rows sharded and its key columns replicated, and th
 ``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with the kernels as
 steps. Any other sequence sharding is replicated (gathered) as before.
 Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
+
+Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
 """
 
 from __future__ import annotations
@@ -360,3 +362,6 @@ def kernel_sum_listed_keys(grad, slots, spans):
     """:func:`ops.sum_listed_keys` through the platform's kernel, partitioned over the leading
     (batch) dims, which every operand shares; the other dims are replicated."""
     return _partitioned_sum_listed_keys(grad, slots, spans)
+
+
+ops.register_lowerings(ops.KernelCalls(kernel_forward, kernel_backward, kernel_sum_listed_keys))
