@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-# sharding lowers the primitives to the kernels when imported (ops, below it, cannot import it).
-from jax_dmattn import context_parallel, dynamic, masks, reference, sharding  # noqa: F401
+from jax_dmattn import dynamic, masks, reference
+
+# Attributes of the package under the names they had before moving into _primitives/ and parallel/
+# (``import jax_dmattn.ops`` and the like go through the alias modules at those paths).
+from jax_dmattn._primitives import _ffi, batching, core, ops  # noqa: F401
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
 from jax_dmattn.dynamic import dynamic_attention
+
+# sharding lowers the primitives to the kernels when imported (ops, below it, cannot import it).
+from jax_dmattn.parallel import context_parallel, sharding  # noqa: F401
 from jax_dmattn.params import IMPLEMENTATIONS, AttentionParams
 
 try:
@@ -23,8 +29,6 @@ except PackageNotFoundError:  # running from a source tree
 
 def available_implementations() -> tuple[str, ...]:
     """Implementations this build can run: ``xla`` always, ``cpu``, and ``cuda`` if compiled."""
-    from jax_dmattn import _ffi
-
     return tuple(i for i in IMPLEMENTATIONS if i != "cuda" or _ffi.has_cuda_kernels())
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dmattn
-from jax_dmattn import _ffi
+from jax_dmattn._primitives import _ffi
 from jax_dmattn._timing import attention_flops, median_ms
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dmattn import core, validation
+from jax_dmattn import validation
+from jax_dmattn._primitives import core
 from jax_dmattn.params import AttentionParams
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dmattn import masks, ops, validation
+from jax_dmattn import masks, validation
+from jax_dmattn._primitives import ops
 from jax_dmattn.attention import flash_dmattn
 from jax_dmattn.validation import Dims
 

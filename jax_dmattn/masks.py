@@ -33,7 +33,8 @@ from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_dmattn import _ffi, reference
+from jax_dmattn import reference
+from jax_dmattn._primitives import _ffi
 from jax_dmattn.params import AttentionParams
 from jax_dmattn.validation import as_array
 
@@ -558,7 +559,7 @@ def _range_mask_cuda_lowering(ctx, first, end, *, block):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, first, end)
 
 
-ad.primitive_jvps[_range_mask_p] = _no_tangent(_range_mask_p)  # (its vmap rule: batching.py)
+ad.primitive_jvps[_range_mask_p] = _no_tangent(_range_mask_p)  # (vmap: _primitives/batching.py)
 mlir.register_lowering(_range_mask_p, mlir.lower_fun(_range_mask_xla, multiple_results=False))
 mlir.register_lowering(_range_mask_p, _range_mask_cuda_lowering, platform="cuda")
 

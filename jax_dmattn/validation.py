@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dmattn import _ffi
+from jax_dmattn._primitives import _ffi
 from jax_dmattn.params import IMPLEMENTATIONS
 
 KERNEL_DTYPES = {

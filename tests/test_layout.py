@@ -61,6 +61,18 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "check_softcap", "check_window", "dims_of"),
 }
 
+# Former module paths, now alias modules, and the modules they name.
+MOVED = {
+    "jax_dmattn._ffi": "jax_dmattn._primitives._ffi",
+    "jax_dmattn.batching": "jax_dmattn._primitives.batching",
+    "jax_dmattn.core": "jax_dmattn._primitives.core",
+    "jax_dmattn.ops": "jax_dmattn._primitives.ops",
+    "jax_dmattn.context_parallel": "jax_dmattn.parallel.context_parallel",
+    "jax_dmattn.sharding": "jax_dmattn.parallel.sharding",
+    "jax_dmattn.equinox": "jax_dmattn.layers.equinox",
+    "jax_dmattn.flax": "jax_dmattn.layers.flax",
+}
+
 OPTIONAL_DEPENDENCIES = {"jax_dmattn.flax": "flax", "jax_dmattn.equinox": "equinox"}
 
 
@@ -131,14 +143,36 @@ def test_find_cycle_reports_the_cycle():
     assert find_cycle({**graph, "c": {"d"}}) is None
 
 
-def test_package_imports_form_a_dag():
+def import_graph() -> dict[str, set[str]]:
+    """The package's modules (compiled ones too) and the package's modules each one imports."""
     sources = package_modules()
     modules = set(sources) | extension_modules()
     graph = {name: imported_modules(name, path, modules) for name, path in sources.items()}
     graph.update((name, set()) for name in modules - set(sources))
+    return graph
+
+
+def test_package_imports_form_a_dag():
+    graph = import_graph()
     assert graph.get("jax_dmattn.attention"), graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_package_imports_modules_where_they_live():
+    """The alias modules at former paths are for users; the package imports the modules
+    themselves."""
+    graph = import_graph()
+    aliased = sorted(f"{name} imports {alias}" for name, imported in graph.items()
+                     for alias in imported & MOVED.keys())
+    assert not aliased, aliased
+
+
+@pytest.mark.parametrize("former", sorted(MOVED))
+def test_former_paths_name_the_moved_modules(former):
+    if former in OPTIONAL_DEPENDENCIES:
+        pytest.importorskip(OPTIONAL_DEPENDENCIES[former])
+    assert importlib.import_module(former) is importlib.import_module(MOVED[former])
 
 
 @pytest.mark.parametrize("module_name", sorted(PUBLIC_NAMES))

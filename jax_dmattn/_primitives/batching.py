@@ -1,0 +1,58 @@
+"""vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
+
+Attention: an unmapped mask, bias or length array gets a size-1 dim there (a free reshape) and
+is read with stride 0, so vmap never copies it; k and v likewise when both are unmapped. The
+query-shaped operands (q, and out/dout/lse/dlse in the backward) define the batch: one of them
+unmapped while another operand is mapped is broadcast, which copies a query-sized array, and so
+is k or v when only the other one is mapped (the kernels read k and v through one layout).
+Dynamic attention's key-list helpers (the listed keys' gradient sum, the block range masks)
+broadcast any unmapped operand.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.interpreters import batching
+
+from jax_dmattn import masks
+from jax_dmattn._primitives import ops
+
+
+def _leading(x, dim, size: int, broadcast: bool):
+    if dim is None:
+        x = jnp.expand_dims(x, 0)
+        return jnp.broadcast_to(x, (size, *x.shape[1:])) if broadcast else x
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _batch(primitive, query_like: frozenset[int]):
+    def rule(args, dims, **params):
+        size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+        kv_differ = (dims[1] is None) != (dims[2] is None)
+        moved = [_leading(x, d, size, broadcast=i in query_like or (kv_differ and i in (1, 2)))
+                 for i, (x, d) in enumerate(zip(args, dims, strict=True))]
+        outs = primitive.bind(*moved, **params)
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, frozenset({0}))
+# q, out, dout, lse, dlse are query-shaped (operands 0 and 3..6).
+batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, frozenset({0, 3, 4, 5, 6}))
+
+
+def _batch_every_operand(primitive):
+    """For primitives whose operands all share the leading batch dims (dynamic attention's key
+    helpers, whose operands are small int32 lists or the cotangent itself): an unmapped operand is
+    broadcast."""
+    def rule(args, dims, **params):
+        size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+        moved = [_leading(x, d, size, broadcast=True) for x, d in zip(args, dims, strict=True)]
+        return primitive.bind(*moved, **params), 0
+
+    return rule
+
+
+for _primitive in (ops.sum_listed_keys_p, masks._range_mask_p):
+    batching.primitive_batchers[_primitive] = _batch_every_operand(_primitive)

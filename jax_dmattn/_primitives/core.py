@@ -1,0 +1,118 @@
+"""The differentiable attention operation behind both front ends.
+
+``attention`` takes validated, normalised operands (see ``attention.py``) and returns
+``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
+other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
+out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask and lengths
+get none).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_dmattn import reference
+from jax_dmattn._primitives import batching, ops  # noqa: F401  (batching registers vmap rules)
+from jax_dmattn.params import AttentionParams
+
+
+def attention(
+    params: AttentionParams,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    q_lens: jax.Array | None = None,
+    kv_lens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands."""
+    if params.implementation == "xla":
+        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+    return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens))
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_alike(*operands):
+    """Inside shard_map, makes every operand vary over the same manual axes, as the kernels'
+    outputs do; the transpose of that cast then sums an invariant input's gradient (a replicated
+    bias's dbias) over those axes, as it must."""
+    axes = frozenset().union(*(_varying_axes(x) for x in operands if x is not None))
+    if not axes:
+        return operands
+    return tuple(x if x is None or _varying_axes(x) == axes
+                 else jax.lax.pcast(x, tuple(sorted(axes - _varying_axes(x))), to="varying")
+                 for x in operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(params, q, k, v, mask, bias, q_lens, kv_lens):
+    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens)
+    return out, lse
+
+
+def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens):
+    # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
+    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, float32_out=True)
+    return (out.astype(q.dtype), lse), (q, k, v, mask, bias, q_lens, kv_lens, out, lse)
+
+
+def _attention_bwd(params, residuals, cotangents):
+    q, k, v, mask, bias, q_lens, kv_lens, out, lse = residuals
+    dout, dlse = cotangents
+    if bias is not None and _bias_shifts_rows(params, bias):
+        dq, dk, dv, _ = ops.backward(params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse,
+                                     mask, None, q_lens, kv_lens)
+        return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), None, None
+    dq, dk, dv, dbias = ops.backward(params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens,
+                                     kv_lens)
+    return dq, dk, dv, None, dbias, None, None
+
+
+# A bias constant over keys ([.., Lq|1, 1]) adds one value b_i to every logit of row i: without a
+# softcap the softmax ignores it and lse_i moves by b_i, so d loss / d b_i = dlse_i exactly (rows
+# with a visible key). The kernels' sum over keys of dS_ij = P_ij (dP_ij - D_i + dlse_i) gives the
+# same value in exact arithmetic, but in half precision its sum over j of P_ij dP_ij - D_i cancels
+# to the rounding error of the stored output (D_i = dO_i . O_i), which dwarfs the true dlse_i. So
+# the backward runs without the bias (P recomputed from lse - b_i) and dbias comes from dlse.
+
+
+def _bias_shifts_rows(params: AttentionParams, bias: jax.Array) -> bool:
+    return bias.shape[-1] == 1 and params.softcap == 0.0
+
+
+def _heads_to_bias(x: jax.Array, bias_heads: int) -> jax.Array:
+    """Sums ``x [B, H, Lq]`` over the query heads that share one head of the bias."""
+    batch, heads, seqlen_q = x.shape
+    return x.reshape(batch, bias_heads, heads // bias_heads, seqlen_q).sum(2)
+
+
+def _bias_rows(bias: jax.Array, lse: jax.Array) -> jax.Array:
+    """The row shifts ``b [B, H, Lq]`` (float32) of a bias ``[B|1, H|Hk|1, Lq|1, 1]``."""
+    rows = bias[..., 0].astype(jnp.float32)
+    rows = jnp.repeat(rows, lse.shape[1] // rows.shape[1], axis=1)
+    return jnp.broadcast_to(rows, lse.shape)
+
+
+def _unshifted_lse(lse: jax.Array, bias: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(lse), lse - _bias_rows(bias, lse), lse)
+
+
+def _row_shift_gradient(lse: jax.Array, dlse: jax.Array, bias: jax.Array) -> jax.Array:
+    """dbias of the bias's shape: dlse on rows with a visible key, summed over broadcast dims."""
+    grad = _heads_to_bias(jnp.where(jnp.isfinite(lse), dlse, 0.0), bias.shape[1])
+    reduced = tuple(d for d in (0, 2) if bias.shape[d] == 1 and grad.shape[d] > 1)
+    grad = grad.sum(reduced, keepdims=True) if reduced else grad
+    return grad[..., None].astype(bias.dtype)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

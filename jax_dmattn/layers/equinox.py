@@ -1,0 +1,103 @@
+"""Equinox front end: the Dynamic Mask Attention layer as an ``eqx.Module``.
+
+    import jax_dmattn.equinox
+
+    dma = jax_dmattn.equinox.DynamicMaskAttention(512, 8, num_kv_heads=2, window=256,
+                                                  key=jax.random.PRNGKey(0))
+    y = dma(x)  # x [B, L, 512] -> [B, L, 512], or [L, 512] -> [L, 512] (e.g. under jax.vmap)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from jax_dmattn.layers import common
+
+__all__ = ["DynamicMaskAttention"]
+
+
+def _tokenwise(linear: eqx.nn.Linear) -> common.Projection:
+    """An ``eqx.nn.Linear`` (``[in] -> [out]``) applied to ``[B, L, in]``."""
+    return jax.vmap(jax.vmap(linear))
+
+
+class DynamicMaskAttention(eqx.Module):
+    """Dynamic Mask Attention (Equinox), the twin of ``jax_dmattn.flax.DynamicMaskAttention``:
+    GQA projections, RoPE, a per-key dynamic bias ``A · softplus(dt_proj(v))`` and a causal
+    top-``window`` mask of it, on the fused kernels (see ``jax_dmattn.layers.common``).
+
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``dt_proj``, ``o_proj`` (``eqx.nn.Linear``
+    without bias; weights ``[out, in]``, the transpose of the Flax kernels) and ``A [Hk]``,
+    initialised to ones (upstream: zeros; ones make the mask's choice of keys informative from
+    the first step). No KV cache.
+    """
+
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    dt_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+    A: jax.Array
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    window: int = eqx.field(static=True)
+    rope_theta: float | None = eqx.field(static=True)
+    implementation: str | None = eqx.field(static=True)
+
+    def __init__(self, hidden_size: int, num_heads: int, *, window: int,
+                 num_kv_heads: int | None = None, head_dim: int | None = None,
+                 rope: bool = True, rope_theta: float = 10000.0, dtype: Any = None,
+                 implementation: str | None = None, key: jax.Array):
+        """Args:
+          hidden_size: model width (input and output features).
+          num_heads: query heads ``H``.
+          window: keys kept per query row by the dynamic mask.
+          num_kv_heads: key/value heads ``Hk`` (default ``H``), ``H % Hk == 0``.
+          head_dim: ``D`` (default ``hidden_size // H``).
+          rope: rotary position embeddings on q and k; rope_theta: their base.
+          dtype: parameter dtype (Equinox's default floating dtype when None).
+          implementation: ``flash_dmattn``'s (None: the best for the platform).
+          key: initialisation PRNG key.
+        """
+        self.num_kv_heads, self.head_dim = common.check_config(
+            hidden_size, num_heads, num_kv_heads, head_dim, window, rope)
+        self.num_heads, self.window = num_heads, window
+        self.rope_theta = rope_theta if rope else None
+        self.implementation = implementation
+        kv = self.num_kv_heads * self.head_dim
+        keys = iter(jax.random.split(key, 5))
+
+        def linear(fan_in: int, fan_out: int) -> eqx.nn.Linear:
+            return eqx.nn.Linear(fan_in, fan_out, use_bias=False, dtype=dtype, key=next(keys))
+
+        self.q_proj = linear(hidden_size, num_heads * self.head_dim)
+        self.k_proj = linear(hidden_size, kv)
+        self.v_proj = linear(hidden_size, kv)
+        self.dt_proj = linear(kv, self.num_kv_heads)
+        self.o_proj = linear(num_heads * self.head_dim, hidden_size)
+        self.A = jnp.ones((self.num_kv_heads,), self.q_proj.weight.dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Args:
+          x: ``[B, L, hidden]``, or ``[L, hidden]`` for one sequence.
+          positions: int ``[B, L]`` or ``[L]`` for RoPE (default ``arange(L)``).
+
+        Returns:
+          the output of x's shape.
+        """
+        unbatched = x.ndim == 2
+        if unbatched:
+            x = x[None]
+        q, k, v, bias = common.project(
+            x, positions, q_proj=_tokenwise(self.q_proj), k_proj=_tokenwise(self.k_proj),
+            v_proj=_tokenwise(self.v_proj), dt_proj=_tokenwise(self.dt_proj), a=self.A,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rope_theta=self.rope_theta)
+        out = common.attend(q, k, v, bias, self.window, self.implementation)
+        out = _tokenwise(self.o_proj)(out)
+        return out[0] if unbatched else out

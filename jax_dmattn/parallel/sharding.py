@@ -1,0 +1,368 @@
+"""Sharding rules: kernel calls stay local when inputs are sharded over batch and heads, and run
+as a ring (context parallelism) when the sequence is sharded.
+
+Each kernel call is a ``custom_partitioning`` function with a Shardy sharding rule. The partition
+callback keeps the batch dims and the head dim of q sharded as they come (k/v heads with them when
+the kv heads divide evenly, else replicated), replicates the head dim, and sums (``psum``) a
+gradient over the mesh axes its input was replicated over while q was sharded: dbias for a bias
+broadcast over batch, heads or query rows, dk/dv for kv heads shared by sharded query heads.
+
+A sharded query sequence keeps its sharding when the call can run as a ring
+(``context_parallel.ring_supported``: no window, no sequence lengths, causal only with
+``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence sharding, a
+mask or bias keeps its query rows sharded and its key columns replicated, and the lowering runs
+``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with the kernels as
+steps. Any other sequence sharding is replicated (gathered) as before.
+Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
+
+Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_dmattn._primitives import _ffi, ops
+from jax_dmattn.parallel import context_parallel
+
+# ---- the kernel calls ----------------------------------------------------------------------
+
+
+def _forward_impl(platform, params, opts, *operands):
+    return tuple(_ffi.call_forward(platform, params, opts, *operands))
+
+
+def _backward_impl(platform, params, opts, *operands):
+    q, k, v = operands[:3]
+    _, bias, _, _ = opts.split(operands[7:])
+    return tuple(_ffi.call_backward(platform, params, opts, *operands,
+                                    grad_shapes=_grad_shapes(q, k, v, bias)))
+
+
+def _grad_shapes(q, k, v, bias) -> list[tuple[int, ...]]:
+    shapes = [ops.gradient_shape(x.shape, q.shape, 1) for x in (k, v)]
+    if bias is not None:
+        shapes.append(ops.gradient_shape(bias.shape, q.shape, 1))
+    return shapes
+
+
+def _kernel_steps(platform: str) -> context_parallel.StepFns:
+    """The ring's per-chunk steps: the platform's kernels, called directly (this is already the
+    per-device lowering)."""
+
+    def forward(params, q, k, v, mask, bias):  # float32 out, as context_parallel.KERNEL_STEPS
+        opts = ops.Optionals.of(mask, bias, None)._replace(float32_out=True)
+        return _forward_impl(platform, params, opts, q, k, v,
+                             *(x for x in (mask, bias) if x is not None))
+
+    def backward(params, q, k, v, out, dout, lse, dlse, mask, bias):
+        opts = ops.Optionals.of(mask, bias, None)
+        grads = _backward_impl(platform, params, opts, q, k, v, out, dout, lse, dlse,
+                               *(x for x in (mask, bias) if x is not None))
+        return grads if bias is not None else (*grads, None)
+
+    return context_parallel.StepFns(forward, backward)
+
+
+# ---- layout of the operands ----------------------------------------------------------------
+
+
+class _Layout:
+    """Per-operand dim roles, derived from shapes: batch dims, then the operand's own dims."""
+
+    def __init__(self, opts: ops.Optionals, shapes: Sequence[Sequence[int]], backward: bool):
+        self.opts = opts
+        self.backward = backward
+        q = tuple(shapes[0])
+        self.num_batch = len(q) - 3
+        self.batch = q[:self.num_batch]
+        self.seqlen_q, self.heads = q[-3], q[-2]
+        self.seqlen_k, self.kv_heads = shapes[1][-3], shapes[1][-2]
+
+    def kinds(self) -> list[str]:
+        """Operand kinds in call order."""
+        head = ["q", "kv", "kv"] + (["q", "q", "lse", "lse"] if self.backward else [])
+        extras = (["mask"] if self.opts.has_mask else []) + (["bias"] if self.opts.has_bias
+                                                             else [])
+        return head + extras + (["lens", "lens"] if self.opts.has_seqlens else [])
+
+
+def _shard_count(mesh, axes) -> int:
+    return functools.reduce(lambda n, a: n * mesh.shape[a], _axes_tuple(axes), 1)
+
+
+def _axes_tuple(axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _spec_of(info, ndim: int) -> tuple:
+    sharding = getattr(info, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    return spec + (None,) * (ndim - len(spec))
+
+
+Axes = str | tuple[str, ...] | None  # one PartitionSpec entry
+
+
+class _Plan(NamedTuple):
+    """Mesh axes of q's batch dims, of its heads, of the kv heads and of the sequence (the ring's
+    axes; None: replicated)."""
+
+    batch: list[Axes]
+    heads: Axes
+    kv_heads: Axes
+    seq: Axes
+
+
+def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
+    """What stays sharded of q's spec: batch dims; heads where they divide evenly; the sequence
+    where the call runs as a ring over it."""
+    batch_axes = list(q_spec[:layout.num_batch])
+    head_axes = q_spec[layout.num_batch + 1]
+    n = _shard_count(mesh, head_axes)
+    if layout.heads % n or (layout.kv_heads % n and layout.kv_heads != 1):
+        head_axes, n = None, 1
+    kv_head_axes = head_axes if n > 1 and layout.kv_heads % n == 0 else None
+    seq_axes = q_spec[layout.num_batch]
+    seq_shards = _shard_count(mesh, seq_axes)
+    if seq_shards == 1 or not context_parallel.ring_supported(
+            params, layout.opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards):
+        seq_axes = None
+    return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
+
+
+def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
+    """The PartitionSpec an operand of `kind` gets under the plan."""
+    nb = layout.num_batch
+    batch = [a if shape[d] == layout.batch[d] else None for d, a in enumerate(plan.batch)]
+    if kind == "q":
+        return PartitionSpec(*batch, plan.seq, plan.heads, None)
+    if kind == "kv":
+        return PartitionSpec(*batch, plan.seq, plan.kv_heads, None)
+    if kind == "lse":
+        return PartitionSpec(*batch, plan.heads, plan.seq)
+    if kind == "lens":
+        return PartitionSpec(*batch)
+    heads = shape[nb]
+    if heads == layout.heads:
+        axes = plan.heads
+    elif heads == layout.kv_heads:
+        axes = plan.kv_heads
+    else:
+        axes = None
+    # A mask/bias keeps its query rows with q's; each ring step slices its key columns locally.
+    rows = plan.seq if shape[nb + 1] == layout.seqlen_q else None
+    return PartitionSpec(*batch, axes, rows, None)
+
+
+def _reduced_axes(spec: PartitionSpec, full_spec: PartitionSpec) -> tuple[str, ...]:
+    """Mesh axes sharding `full_spec` (q's layout) that `spec` leaves replicated."""
+    present = {a for entry in spec for a in _axes_tuple(entry)}
+    wanted = [a for entry in full_spec for a in _axes_tuple(entry)]
+    return tuple(a for a in wanted if a not in present)
+
+
+def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_infos):
+    shapes = [info.shape for info in arg_infos]
+    layout = _Layout(opts, shapes, backward)
+    plan = _plan(mesh, layout, params, _spec_of(arg_infos[0], len(shapes[0])))
+    arg_specs = [_operand_spec(kind, shape, layout, plan)
+                 for kind, shape in zip(layout.kinds(), shapes, strict=True)]
+    q_spec = arg_specs[0]
+    if not backward:
+        result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
+        lower = functools.partial(_forward_impl, platform, params, opts)
+        if plan.seq is not None:
+            lower = functools.partial(_ring_forward, platform, params, opts, plan.seq)
+    else:
+        nb = layout.num_batch
+        grad_specs = [q_spec, _gradient_spec(arg_specs[1], q_spec, nb),
+                      _gradient_spec(arg_specs[2], q_spec, nb)]
+        if opts.has_bias:
+            bias_spec = arg_specs[layout.kinds().index("bias")]
+            grad_specs.append(_gradient_spec(bias_spec, q_spec, nb - 1))
+        result_specs = grad_specs
+        psum_axes = [_reduced_axes(spec, q_spec) for spec in grad_specs]
+        impl = functools.partial(_backward_impl, platform, params, opts)
+        if plan.seq is not None:
+            impl = functools.partial(_ring_backward, platform, params, opts, plan.seq)
+
+        def lower(*operands):
+            grads = impl(*operands)
+            return tuple(jax.lax.psum(g, axes) if axes else g
+                         for g, axes in zip(grads, psum_axes, strict=True))
+
+    to_sharding = functools.partial(NamedSharding, mesh)
+    return (mesh, lower, tuple(map(to_sharding, result_specs)),
+            tuple(map(to_sharding, arg_specs)))
+
+
+def _ring_forward(platform, params, opts, axis_name, q, k, v, *extras):
+    mask, bias, _, _ = opts.split(extras)
+    return context_parallel.ring_forward(_kernel_steps(platform), params, q, k, v, mask, bias,
+                                         axis_name=axis_name,
+                                         out_dtype=opts.out_dtype(q.dtype))
+
+
+def _ring_backward(platform, params, opts, axis_name, q, k, v, out, dout, lse, dlse, *extras):
+    mask, bias, _, _ = opts.split(extras)
+    grads = context_parallel.ring_backward(_kernel_steps(platform), params, q, k, v, out, dout,
+                                           lse, dlse, mask, bias, axis_name=axis_name)
+    return grads[:3] if bias is None else grads
+
+
+def _gradient_spec(spec: PartitionSpec, q_spec: PartitionSpec, full_dims: int) -> PartitionSpec:
+    """A gradient's spec: q's over its first `full_dims` dims (full there), else its input's."""
+    return PartitionSpec(*q_spec[:full_dims], *spec[full_dims:])
+
+
+# ---- Shardy rule ----------------------------------------------------------------------------
+
+
+def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, result_types):
+    from jax._src.lib.mlir import ir
+
+    shapes = [tuple(ir.RankedTensorType(t).shape) for t in value_types]
+    layout = _Layout(opts, shapes, backward)
+    names = iter(f"{a}{b}" for a in string.ascii_lowercase for b in string.ascii_lowercase)
+    batch = [next(names) for _ in range(layout.num_batch)]
+    # Mask/bias key columns get a factor of their own (kc): always replicated, while lk (k/v's
+    # sequence) may be sharded for the ring.
+    lq, lk, d, kc = next(names), next(names), next(names), next(names)
+    # Shardy rejects size-1 factors inside a compound dim, so MQA names the query heads alone.
+    group = layout.heads // layout.kv_heads
+    if layout.kv_heads == 1:
+        heads, hk, factor_sizes = next(names), next(names), {}
+    elif group == 1:
+        heads = hk = next(names)
+        factor_sizes = {}
+    else:
+        hk, g = next(names), next(names)
+        heads, factor_sizes = f"({hk} {g})", {g: group}
+
+    def batch_of(shape, full_over=0):
+        return [b if (shape[i] == layout.batch[i] or i < full_over) else next(names)
+                for i, b in enumerate(batch)]
+
+    def dims(kind, shape, full_over=0):
+        bat = batch_of(shape, full_over)
+        if kind == "q":
+            return [*bat, lq, heads, d]
+        if kind == "kv":
+            return [*bat, lk, hk, d]
+        if kind == "lse":
+            return [*bat, heads, lq]
+        if kind == "lens":
+            return bat
+        nb = layout.num_batch
+        h = shape[nb]
+        head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
+        row = lq if shape[nb + 1] == layout.seqlen_q else next(names)
+        col = kc if shape[nb + 2] == layout.seqlen_k else next(names)
+        return [*bat, head, row, col]
+
+    operands = [dims(kind, shape) for kind, shape in zip(layout.kinds(), shapes, strict=True)]
+    if not backward:
+        results = [dims("q", shapes[0]), dims("lse", shapes[0])]
+    else:
+        results = [dims("q", shapes[0]), dims("kv", shapes[1], layout.num_batch),
+                   dims("kv", shapes[2], layout.num_batch)]
+        if opts.has_bias:
+            bias_shape = shapes[layout.kinds().index("bias")]
+            results.append(dims("bias", bias_shape, layout.num_batch - 1))
+    rule = (", ".join(" ".join(x) for x in operands) + " -> "
+            + ", ".join(" ".join(x) for x in results))
+    # Shardy wants special factors in the order the rule first names them.
+    tokens = rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
+    # The sequences may stay sharded where the partition callback can run the call as a ring
+    # (it replicates them itself where the shard count does not divide them).
+    ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
+                                               layout.seqlen_k)
+    factors = (d, kc) if ringable else (lq, lk, d, kc)
+    replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
+    return rule, dict(need_replication_factors=replicated, **factor_sizes)
+
+
+def _make(backward: bool):
+    impl = _backward_impl if backward else _forward_impl
+    fn = custom_partitioning(impl, static_argnums=(0, 1, 2))
+    fn.def_partition(
+        partition=functools.partial(_partition, backward),
+        infer_sharding_from_operands=functools.partial(_infer, backward),
+        sharding_rule=functools.partial(_sharding_rule, backward))
+    return fn
+
+
+def _infer(backward, platform, params, opts, mesh, arg_infos, result_infos):
+    return _partition(backward, platform, params, opts, mesh, arg_infos, result_infos)[2]
+
+
+_partitioned_forward = _make(backward=False)
+_partitioned_backward = _make(backward=True)
+
+
+def kernel_forward(platform, params, opts, *operands):
+    """``[out, lse]`` through the platform's kernel, partitioned over batch and heads."""
+    return list(_partitioned_forward(platform, params, opts, *operands))
+
+
+def kernel_backward(platform, params, opts, *operands):
+    """``[dq, dk, dv, (dbias)]`` through the platform's kernel, partitioned likewise."""
+    return list(_partitioned_backward(platform, params, opts, *operands))
+
+
+# ---- batch-parallel calls ---------------------------------------------------------------------
+
+
+def _listed_keys_lead(slots_ndim: int) -> int:
+    return slots_ndim - 3  # slots [*B, Cc, nb, Lk]
+
+
+def _listed_keys_partition(mesh, arg_infos, result_infos):
+    lead = _listed_keys_lead(len(arg_infos[1].shape))
+    batch = _spec_of(arg_infos[0], len(arg_infos[0].shape))[:lead]
+
+    def spec(ndim: int) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(*batch, *([None] * (ndim - lead))))
+
+    arg_shardings = tuple(spec(len(info.shape)) for info in arg_infos)
+    return mesh, _ffi.call_sum_listed_keys, spec(lead + 3), arg_shardings
+
+
+def _listed_keys_rule(mesh, value_types, result_types):
+    from jax._src.lib.mlir import ir
+
+    grad, slots, _ = (tuple(ir.RankedTensorType(t).shape) for t in value_types)
+    lead = _listed_keys_lead(len(slots))
+    batch = " ".join(f"b{i}" for i in range(lead))
+    shared = "c" if slots[lead] == grad[lead + 2] else "s"  # key lists per channel, or shared
+    rule = (f"{batch} n u c d, {batch} {shared} n k, {batch} {shared} t k -> {batch} k c d")
+    # (in the order the rule first names them, as Shardy wants)
+    return rule, dict(need_replication_factors=tuple(dict.fromkeys(
+        ("n", "u", "c", "d", shared, "k", "t"))))
+
+
+_partitioned_sum_listed_keys = custom_partitioning(_ffi.call_sum_listed_keys)
+_partitioned_sum_listed_keys.def_partition(
+    partition=_listed_keys_partition,
+    infer_sharding_from_operands=lambda mesh, args, results: _listed_keys_partition(
+        mesh, args, results)[2],
+    sharding_rule=_listed_keys_rule)
+
+
+def kernel_sum_listed_keys(grad, slots, spans):
+    """:func:`ops.sum_listed_keys` through the platform's kernel, partitioned over the leading
+    (batch) dims, which every operand shares; the other dims are replicated."""
+    return _partitioned_sum_listed_keys(grad, slots, spans)
+
+
+ops.register_lowerings(ops.KernelCalls(kernel_forward, kernel_backward, kernel_sum_listed_keys))
