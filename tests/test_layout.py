@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
@@ -86,10 +86,12 @@ def package_modules() -> dict[str, Path]:
 
 
 def extension_modules() -> set[str]:
-    """The compiled modules of the installed package by dotted name (they import nothing of it)."""
-    return {".".join(path.with_name(path.name.partition(".")[0]).relative_to(PACKAGE.parent).parts)
-            for suffix in importlib.machinery.EXTENSION_SUFFIXES
-            for path in PACKAGE.rglob(f"*{suffix}")}
+    """The compiled modules of the package (CMakeLists.txt's targets; they import nothing of it)
+    by dotted name, wherever the install put them (an editable one keeps them out of the tree)."""
+    found = {"jax_dmattn._dmattn"}
+    missing = [name for name in found if importlib.util.find_spec(name) is None]
+    assert not missing, f"compiled modules not importable: {missing}"
+    return found
 
 
 def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:

@@ -1,6 +1,6 @@
 // Decoding of an FFI call frame into the one params struct, for both platforms.
 //
-// Operand order (mirrored by jax_dmattn/_ffi.py):
+// Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
 //   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,9 +27,36 @@ def _extension() -> Any:
     return _dmattn
 
 
+def installed_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version of the installed jaxlib (from its C API header), None if its
+    headers cannot be read."""
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    try:
+        text = header.read_text()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part} (\d+)", text) for part in ("MAJOR", "MINOR")]
+    if not all(found):
+        return None
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def check_ffi_api(compiled: tuple[int, int], installed: tuple[int, int] | None) -> None:
+    """Raises where the handlers were compiled against a newer XLA FFI API than the installed
+    jaxlib's, which would refuse them at the first call with no word on the fix."""
+    if installed is not None and tuple(compiled) > tuple(installed):
+        raise RuntimeError(
+            f"this jax_dmattn build was compiled against XLA FFI API "
+            f"{compiled[0]}.{compiled[1]}, newer than the installed jaxlib's "
+            f"{installed[0]}.{installed[1]} (jax {jax.__version__}), which refuses its kernels. "
+            "Reinstall jax_dmattn (its build takes the FFI headers of jax 0.10), or build it "
+            "against this jax: pip install --no-build-isolation .")
+
+
 @functools.cache
 def register_targets() -> frozenset[str]:
     """Registers the handlers with XLA once; returns the platforms that have kernels."""
+    check_ffi_api(tuple(_extension().build_info()["xla_ffi_api"]), installed_ffi_api())
     platforms = _extension().registrations()
     for platform, targets in platforms.items():
         for name, capsule in targets.items():
