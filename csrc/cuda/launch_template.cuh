@@ -103,6 +103,8 @@ cudaError_t RunBackwardVariant(int, const BwdLaunch&, cudaStream_t) {
 template <>
 cudaError_t RunForwardVariant<64, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
 template <>
+cudaError_t RunForwardVariant<128, __nv_bfloat16>(int, const FwdParams&, cudaStream_t);
+template <>
 cudaError_t RunBackwardVariant<64, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);
 template <>
 cudaError_t RunBackwardVariant<128, __nv_bfloat16>(int, const BwdLaunch&, cudaStream_t);

@@ -9,7 +9,7 @@ using BF16 = __nv_bfloat16;
 
 int TuningVariants(bool backward, int head_dim) {
   if (backward) return head_dim == 128 ? 7 : (head_dim == 64 ? 2 : 0);
-  return head_dim == 64 ? 1 : 0;
+  return head_dim == 64 ? 1 : (head_dim == 128 ? 3 : 0);
 }
 
 // 1: the Hopper forward with two consumer warpgroups (128 query rows, 240 registers each)
@@ -24,6 +24,30 @@ cudaError_t RunForwardVariant<64, BF16>(int v, const FwdParams& p, cudaStream_t 
     return sm90::RunForward<sm90::FwdTraits<64, 128, 2>, BF16>(p, stream);
   }
   return sm90::RunForward<sm90::FwdTraits<64, 128, 2, true>, BF16>(p, stream);
+}
+
+// D=128, the Hopper forward's setmaxnreg budgets (producer / consumers; the library: 24 / 240):
+// 1: 40 / 232, 2: 32 / 232, 3: 56 / 224. At 24 every spill of the kernel is the producer's (291
+// spill instructions with the operand rings, sm_90a bf16; 40 / 232: 127 + 5 in the consumers;
+// 56 / 224: 38 + 40); 56 / 224 ran 6 % faster on bias + 50 % mask and 5 % slower on bias + an
+// all-true mask (benchmarks/results/hopper_forward_masked_h100.md).
+template <int kProducerRegs, int kConsumerRegs>
+cudaError_t RunHopperForward128(const FwdParams& p, cudaStream_t stream) {
+  if (p.mask == nullptr && p.bias == nullptr) {
+    return sm90::RunForward<sm90::FwdTraits<128, 128, 2, false, kProducerRegs, kConsumerRegs>,
+                            BF16>(p, stream);
+  }
+  return sm90::RunForward<sm90::FwdTraits<128, 128, 2, true, kProducerRegs, kConsumerRegs>, BF16>(
+      p, stream);
+}
+
+template <>
+cudaError_t RunForwardVariant<128, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
+  if (v < 1 || v > 3) return cudaErrorNotSupported;
+  if (!sm90::Takes(p)) return RunForwardTiles<FwdConfig<128>::Traits, BF16>(p, stream);
+  if (v == 1) return RunHopperForward128<40, 232>(p, stream);
+  if (v == 2) return RunHopperForward128<32, 232>(p, stream);
+  return RunHopperForward128<56, 224>(p, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -15,8 +15,10 @@
 namespace dmattn::cuda::sm90 {
 
 // kOperands: the CTA has rings for the bias and mask tiles of the key blocks (a call with a
-// mask or a bias), which the producer loads with K.
-template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false>
+// mask or a bias), which the producer loads with K. kProducerRegs_ / kConsumerRegs_: setmaxnreg
+// budgets other than the defaults below (0: the default), for tuning builds.
+template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
+          int kConsumerRegs_ = 0>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_;
@@ -29,8 +31,10 @@ struct FwdTraits {
   // consumers ptxas reports no spill either (H100 harness, dense D128 L4k 0.890 vs 0.883 ms at
   // 240); the producer warp spills a little (its mask map walk and tile bookkeeping).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kProducerRegs = kProducerRegs_ ? kProducerRegs_ : kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs =
+      kConsumerRegs_ ? kConsumerRegs_ : kConsumers == 2 ? 240 : 160;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg: multiples of 8");
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <=
                     (kConsumers + 1) * (65536 / kThreads / 8 * 8),
                 "register budgets within the CTA's launch allocation");
