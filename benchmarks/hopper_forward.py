@@ -12,9 +12,12 @@ kernel's) before it is timed.
 Workloads: DESIGN.md §5's dense suite (B·L = 16k tokens, H·D = 2048, D ∈ {64, 128, 256},
 L ∈ {4k, 16k}, causal and not); the full [B, H, L, L] bias + 50 % random mask, causal, D128 L4k
 B4 H16; a 10 % block-density mask [1, 1, L, L] (128 × 128 blocks), L16k H16 D128, against the
-same call without a mask; ``dynamic_attention`` (L16k, W1024, D128, B1 H2 Hk1).
+same call without a mask; ``dynamic_attention`` (L16k, W1024, D128, B1 H2 Hk1); and for the
+dispatcher's rule, the two forward generations where a tile has little work (key lengths 512 to
+4096 at equal total work, dense and masked, and dynamic_attention's 512 x 1536 block calls).
 
-    python benchmarks/hopper_forward.py [--quick] [--out benchmarks/results]
+    python benchmarks/hopper_forward.py [--quick] [--only dense|masked|dispatch]
+                                        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -189,6 +192,58 @@ def masked_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def dispatch_rows(quick: bool) -> list[dict]:
+    """The two forward generations side by side where the work per tile is small: equal total
+    work (B·H·Lq·Lk) at key lengths from 512 to 4096, dense and with a 50 % mask [B,1,Lq,Lk], and
+    dynamic_attention's block calls (512 queries against 1536 keys): where the Hopper kernel's
+    per-tile costs outweigh its faster main loop, for the dispatcher's rule."""
+    d, heads = 128, 16
+    lengths = (512, 1024, 2048) if quick else (512, 768, 1024, 1536, 2048, 3072, 4096)
+    shapes = [(max(1, (4 if quick else 16) * 4096**2 // (heads * length**2)), heads, length,
+               length) for length in lengths]
+    shapes.append((16 if quick else 128, 2, 512, 1536))
+    rows = []
+    for batch, h, q_len, k_len in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(q_len + k_len), 4)
+        q = jax.random.normal(keys[0], (batch, q_len, h, d), jnp.bfloat16)
+        k, v = (jax.random.normal(key, (batch, k_len, h, d), jnp.bfloat16) for key in keys[1:3])
+        mask = jax.random.bernoulli(keys[3], 0.5, (batch, 1, q_len, k_len))
+        for masked in (False, True):
+            args = (q, k, v, mask) if masked else (q, k, v)
+            fn = jax.jit(lambda q, k, v, m=None: jax_dmattn.flash_dmattn(
+                q, k, v, m, implementation="cuda"))
+            row = dict(batch=batch, heads=h, q_len=q_len, k_len=k_len, masked=masked,
+                       tiles=batch * h * -(-q_len // 128), key_blocks=-(-k_len // 128),
+                       kernel=_ffi.cuda_forward_kernel(q.shape, k.shape,
+                                                       mask.shape if masked else None),
+                       **timed_pair(fn, args, None))
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in row.items()}), flush=True)
+        jax.clear_caches()
+    return rows
+
+
+def dispatch_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "## Small work per tile: the two forward generations side by side",
+        "",
+        "D128 bf16; equal work B·H·Lq·Lk per length; mask: 50 % random `[B,1,Lq,Lk]`. `kernel`: "
+        "the dispatcher's choice; `×`: FA2-class time / the dispatcher's choice's time.",
+        "",
+        "| B | H | Lq | Lk | key blocks | tiles | mask | kernel | jax_dmattn ms | "
+        "FA2-class fwd ms (×) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms, fa2 = r["ours_ms"], r["ours_flash2_ms"]
+        lines.append(f"| {r['batch']} | {r['heads']} | {r['q_len']} | {r['k_len']} | "
+                     f"{r['key_blocks']} | {r['tiles']} | {'yes' if r['masked'] else 'no'} | "
+                     f"{r['kernel']} | {ms:.3f} | {fa2:.3f} ({fa2 / ms:.2f}×) |")
+    return "\n".join(lines) + "\n"
+
+
 def environment() -> dict:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -262,24 +317,27 @@ def dense_markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short sequences only")
-    parser.add_argument("--only", choices=("dense", "masked"), help="one half of the workloads")
+    parser.add_argument("--only", choices=("dense", "masked", "dispatch"),
+                        help="one section of the workloads")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     env = environment()
     rows = []
-    for case in dense_cases(args.quick) if args.only != "masked" else ():
+    for case in dense_cases(args.quick) if args.only in (None, "dense") else ():
         row = run_case(case)
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
               flush=True)
         jax.clear_caches()
-    masked = masked_rows(args.quick) if args.only != "dense" else []
+    masked = masked_rows(args.quick) if args.only in (None, "masked") else []
+    dispatch = dispatch_rows(args.quick) if args.only in (None, "dispatch") else []
     text = (header(env) + (dense_markdown(rows) if rows else "")
-            + (masked_markdown(masked) if masked else ""))
+            + (masked_markdown(masked) if masked else "")
+            + (dispatch_markdown(dispatch) if dispatch else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hopper_forward.md").write_text(text)
     (args.out / "hopper_forward.json").write_text(
-        json.dumps(dict(env, rows=rows, masked=masked), indent=1))
+        json.dumps(dict(env, rows=rows, masked=masked, dispatch=dispatch), indent=1))
     print(text)
 
 
