@@ -1,8 +1,8 @@
 // Epilogue of the Hopper forward: one consumer warpgroup normalises its 64 rows of O and writes
 // them with lse. A bf16 / fp16 out goes through shared memory and leaves by one TMA store per
 // 64-column panel (rows past Lq are clipped by the tensor map); a float32 out (the backward's
-// residual) and the zeros of a tile without work are stored straight from the registers. Where O is staged in Q's tile, the tile is
-// released to the producer once the store has read it.
+// residual) and the zeros of a tile without work are stored straight from the registers. Where
+// O is staged in Q's tile, the tile is released to the producer once the store has read it.
 #pragma once
 
 #include <cmath>

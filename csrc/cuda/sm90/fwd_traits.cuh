@@ -29,7 +29,8 @@ struct FwdTraits {
   // __launch_bounds__ cap, 65536 / kThreads rounded down to 8, per thread), or setmaxnreg.inc
   // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). With 224 for two
   // consumers ptxas reports no spill either (H100 harness, dense D128 L4k 0.890 vs 0.883 ms at
-  // 240); the producer warp spills a little (its mask map walk and tile bookkeeping).
+  // 240). Every spill of the kernels is the producer's, at 24 (its mask map walk and tile
+  // bookkeeping; other budgets: tests/cuda/tune_fwd.cu).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kProducerRegs = kProducerRegs_ ? kProducerRegs_ : kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs =
