@@ -1,7 +1,9 @@
 """The public front ends: ``flash_dmattn`` and the ``jax.nn.dot_product_attention`` drop-in.
 
 Both validate their arguments at trace time, normalise them to the one operation of ``core`` and
-differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs).
+differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs). Both
+take sequence-packing segment ids: query ``i`` of batch entry ``b`` sees key ``j`` only where
+``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of every other rule.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def flash_dmattn(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     scale: float | None = None,
     is_causal: bool = False,
     softcap: float | None = None,
@@ -38,6 +42,11 @@ def flash_dmattn(
         without copies. Tiles where it is all False are skipped.
       bias: optional floating array of the mask's shape rule, added to the logits; differentiable
         (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
+      q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to
+        int32; both or neither), for sequence packing: query ``i`` sees key ``j`` only where
+        ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, and-ed with every other rule (causality,
+        mask, bias, GQA, softcap). No gradient. Not on ``implementation="cuda"`` yet (on a GPU,
+        ``None`` runs such calls through the pure-JAX reference, with a warning).
       scale: logit scale, default ``1 / sqrt(D)``.
       is_causal: bottom-right aligned: key ``j`` is visible to query ``i`` iff
         ``j <= i + (Lk - Lq)``.
@@ -54,6 +63,8 @@ def flash_dmattn(
     validation.check_implementation(implementation)
     q, k, v = validation.check_qkv(query, key, value, implementation)
     dims = validation.dims_of(q, k)
+    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims,
+                                                           implementation)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
@@ -63,7 +74,8 @@ def flash_dmattn(
         implementation=implementation,
     )
     out, lse = core.attention(params, q, k, v, validation.check_mask(mask, dims),
-                              validation.check_bias(bias, dims, q.dtype))
+                              validation.check_bias(bias, dims, q.dtype), None, None, q_segments,
+                              kv_segments)
     return (out, lse) if return_lse else out
 
 
@@ -81,12 +93,18 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
     return_residual: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics.
+    """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics (plus
+    two keywords of its own at the end, the segment ids).
 
     Shapes: query ``[B, T, N, H]`` or ``[T, N, H]``, key/value ``[B, S, K, H]`` or ``[S, K, H]``;
     bias and mask broadcastable to ``[B, N, T, S]`` (each dim full or 1); sequence lengths int32
-    ``[B]``. ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
+    ``[B]``; segment ids (an addition to ``jax.nn``'s signature) integer ``[B|1, T]`` and
+    ``[B|1, S]`` (``[T]`` and ``[S]`` for 3-D inputs), both or neither: query ``i`` sees key
+    ``j`` only where ``q_segment_ids[b, i] == kv_segment_ids[b, j]`` (sequence packing), and-ed
+    with the other rules. ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
     ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
@@ -114,6 +132,12 @@ def dot_product_attention(
     if (q_lens is None) != (kv_lens is None):
         q_lens = jnp.full((dims.batch,), dims.seqlen_q, jnp.int32) if q_lens is None else q_lens
         kv_lens = jnp.full((dims.batch,), dims.seqlen_k, jnp.int32) if kv_lens is None else kv_lens
+    if unbatched:
+        q_segment_ids, kv_segment_ids = (
+            x if x is None or jnp.ndim(x) != 1 else jnp.expand_dims(jnp.asarray(x), 0)
+            for x in (q_segment_ids, kv_segment_ids))
+    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims,
+                                                           implementation)
     left, right = validation.check_window(local_window_size)
     if is_causal:
         right = 0
@@ -123,7 +147,8 @@ def dot_product_attention(
         window_right=right,
         implementation=implementation,
     )
-    out, lse = core.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+    out, lse = core.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
+                              kv_segments)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:

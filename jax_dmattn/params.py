@@ -16,7 +16,9 @@ class AttentionParams:
     Key ``j`` is visible to query ``i`` iff
     ``i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right``
     (a bound < 0 is unbounded; causal is ``window_right = 0``), ``j`` is below the key length and
-    ``i`` below the query length of its batch entry, and the mask (if any) is True there.
+    ``i`` below the query length of its batch entry, query ``i`` and key ``j`` have the same
+    segment id (sequence packing, where segment ids are given), and the mask (if any) is True
+    there.
     """
 
     scale: float
@@ -27,7 +29,8 @@ class AttentionParams:
     deterministic: bool = False
     implementation: str | None = None
 
-    def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool) -> dict:
+    def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
+                       has_segments: bool = False) -> dict:
         """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
         return dict(
             scale=np.float32(self.scale),
@@ -38,5 +41,6 @@ class AttentionParams:
             has_mask=has_mask,
             has_bias=has_bias,
             has_seqlens=has_seqlens,
+            has_segments=has_segments,
             deterministic=self.deterministic,
         )

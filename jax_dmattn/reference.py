@@ -3,8 +3,10 @@ oracle of every test.
 
 Shapes (leading batch dims ``*B`` may be several; other operands broadcast over them):
   q ``[*B, Lq, H, D]``, k and v ``[*B|1, Lk, Hk, D]``, mask and bias ``[*B|1, H|Hk|1, Lq|1, Lk|1]``,
-  q_lens and kv_lens ``[*B|1]`` int32. Returns out ``[*B, Lq, H, D]`` in q's dtype and
-  lse ``[*B, H, Lq]`` (float32, or float64 for float64 inputs).
+  q_lens and kv_lens ``[*B|1]`` int32, q_segments ``[*B|1, Lq]`` and kv_segments ``[*B|1, Lk]``
+  int32 (query ``i`` sees key ``j`` only where their ids are equal). Returns
+  out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
+  inputs).
 
 Logits and softmax are computed in float32 (float64 for float64 inputs); probabilities are rounded
 to the input dtype before the product with V, as in the kernels and in ``jax.nn``'s own XLA path.
@@ -37,8 +39,11 @@ def visibility(
     seqlen_k: int,
     q_lens: jax.Array | None = None,
     kv_lens: jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> jax.Array:
-    """Bool ``[*B|1, Lq, Lk]`` (``[Lq, Lk]`` without lengths): the diagonal/window/length rule."""
+    """Bool ``[*B|1, Lq, Lk]`` (``[Lq, Lk]`` without lengths and segments): the diagonal /
+    window / length / segment rule."""
     i = jnp.arange(seqlen_q)[:, None]
     j = jnp.arange(seqlen_k)[None, :]
     diagonal = i + params.diagonal_offset
@@ -49,6 +54,8 @@ def visibility(
         visible &= j <= diagonal + params.window_right
     if q_lens is not None:
         visible = visible & (i < q_lens[..., None, None]) & (j < kv_lens[..., None, None])
+    if q_segments is not None:
+        visible = visible & (q_segments[..., :, None] == kv_segments[..., None, :])
     return visible
 
 
@@ -61,6 +68,8 @@ def attention(
     bias: jax.Array | None = None,
     q_lens: jax.Array | None = None,
     kv_lens: jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
     *_, seqlen_q, num_heads, _ = q.shape
@@ -79,7 +88,8 @@ def attention(
     if params.softcap > 0:
         s = params.softcap * jnp.tanh(s / params.softcap)
 
-    visible = visibility(params, seqlen_q, seqlen_k, q_lens, kv_lens)
+    visible = visibility(params, seqlen_q, seqlen_k, q_lens, kv_lens, q_segments,
+                         kv_segments)
     visible = jnp.expand_dims(visible, (-4, -3))  # [*B|1, 1, 1, Lq, Lk]
     if mask is not None:
         visible = visible & _split_heads(mask, num_kv_heads, group)

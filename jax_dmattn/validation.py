@@ -150,6 +150,43 @@ def check_seq_lengths(lengths, name: str, batch: int) -> jax.Array | None:
     return lengths
 
 
+def check_segment_ids(q_segment_ids, kv_segment_ids, dims: Dims,
+                      implementation: str | None = None) -> tuple[jax.Array | None, ...]:
+    """Sequence-packing segment ids: integer ``[B|1, Lq]`` and ``[B|1, Lk]``, both or neither.
+
+    Returns them as int32 with one batch pattern (an id array of batch 1 is broadcast to the
+    other's batch B, O(B·L)), as the kernels read both through one set of batch strides; or
+    ``(None, None)``."""
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if q_segment_ids is None or kv_segment_ids is None:
+        given, missing = (("q_segment_ids", "kv_segment_ids") if kv_segment_ids is None
+                          else ("kv_segment_ids", "q_segment_ids"))
+        raise ValueError(
+            f"q_segment_ids and kv_segment_ids must be given together: got {given} without "
+            f"{missing}")
+    if implementation == "cuda":
+        raise ValueError(
+            "implementation='cuda' cannot take q_segment_ids / kv_segment_ids: the CUDA kernels "
+            "do not read segment ids yet (issue 24); use implementation=None (on the GPU it runs "
+            "the pure-JAX reference for such calls) or implementation='xla'")
+    ids = []
+    for x, name, length, label in ((q_segment_ids, "q_segment_ids", dims.seqlen_q, "Lq"),
+                                   (kv_segment_ids, "kv_segment_ids", dims.seqlen_k, "Lk")):
+        x = as_array(x, name)
+        expected = f"[{dims.batch}|1, {length}] ([B|1, {label}])"
+        if x.ndim != 2 or x.shape[0] not in (1, dims.batch) or x.shape[1] != length:
+            raise ValueError(
+                f"{name} shape {x.shape} is not accepted; expected an integer array of shape "
+                f"{expected}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be an integer array of shape {expected}, got dtype {x.dtype.name}")
+        ids.append(x.astype(jnp.int32))
+    batch = max(x.shape[0] for x in ids)
+    return tuple(jnp.broadcast_to(x, (batch, x.shape[1])) for x in ids)
+
+
 def check_window(local_window_size) -> tuple[int, int]:
     """``(left, right)``, -1 for unbounded."""
     if local_window_size is None:

@@ -162,6 +162,10 @@ class Case:
     (64x64 blocks wholly False, incl. a whole row block and a whole column block).
     front_end: "flash" (flash_dmattn) or "dpa" (dot_product_attention, where `causal` is top-left
     and `window`, `q_lens`, `kv_lens`, `unbatched` apply).
+    segments: sequence-packing segment ids (None: absent): "packed" (per batch entry, sorted
+    random document boundaries, some documents of length 1, queries and keys packed alike),
+    "shared" (one packing ``[1, L]`` for the whole batch) or "orphans" (packed, plus query
+    segments that no key has: rows with no visible key).
     """
 
     B: int = 2
@@ -182,6 +186,7 @@ class Case:
     q_lens: tuple[int, ...] | None = None
     kv_lens: tuple[int, ...] | None = None
     unbatched: bool = False
+    segments: str | None = None
 
     def id(self) -> str:
         parts = [f"B{self.B}", f"q{self.Lq}", f"k{self.Lk}", f"h{self.H}kv{self.Hk}",
@@ -196,7 +201,8 @@ class Case:
                             (self.front_end != "flash", self.front_end),
                             (self.window is not None, f"win{self.window}"),
                             (self.q_lens, f"ql{self.q_lens}"), (self.kv_lens, f"kl{self.kv_lens}"),
-                            (self.unbatched, "3d")):
+                            (self.unbatched, "3d"),
+                            (self.segments, f"seg-{self.segments}")):
             if flag:
                 parts.append(label)
         label = "-".join(parts)
@@ -256,9 +262,34 @@ def make_mask(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np
     raise ValueError(kind)
 
 
+def _packing(rng: np.random.Generator, length: int, docs: int) -> np.ndarray:
+    """Segment ids ``0..docs-1`` of `length` positions, sorted, at random boundaries; the first
+    document has length 1 when `length` allows it."""
+    if length < docs:
+        return np.sort(rng.integers(0, docs, length))
+    cuts = np.sort(rng.choice(np.arange(2, length), size=docs - 2, replace=False)) if docs > 2 \
+        else np.array([], int)
+    bounds = np.concatenate([[1], cuts]) if length > 1 and docs > 1 else cuts
+    return np.searchsorted(bounds, np.arange(length), side="right")
+
+
+def make_segments(rng: np.random.Generator, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """int32 ``q_seg [B|1, Lq]`` and ``kv_seg [B|1, Lk]`` of the case's segments kind."""
+    rows = 1 if case.segments == "shared" else case.B
+    docs = [int(rng.integers(2, 6)) for _ in range(rows)]
+    q = np.stack([_packing(rng, case.Lq, n) for n in docs])
+    kv = np.stack([_packing(rng, case.Lk, n) for n in docs])
+    if case.segments == "orphans":  # ids that no key has, on whole documents and single rows
+        q[:, : max(1, case.Lq // 5)] = 100 + np.arange(rows)[:, None]
+        q[:, -1] = -7
+    assert case.segments in ("packed", "shared", "orphans"), case.segments
+    return q.astype(np.int32), kv.astype(np.int32)
+
+
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
     """Fresh random inputs for `case` (seeded by it), as float64 values exactly representable in
-    the case's dtype: q, k, v, [mask], [bias], w (out cotangent), wl (lse cotangent)."""
+    the case's dtype: q, k, v, [mask], [bias], w (out cotangent), wl (lse cotangent), and the
+    segment ids q_seg, kv_seg of a case with segments."""
     rng = np.random.default_rng(case.seed)
     out = {
         "q": rng.standard_normal(case.q_shape),
@@ -274,6 +305,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     for name in ("q", "k", "v", "w", "bias"):
         if name in out:
             out[name] = round_to(out[name], case.dtype)
+    if case.segments is not None:
+        out["q_seg"], out["kv_seg"] = make_segments(rng, case)
     return out
 
 
@@ -282,10 +315,14 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
-def call_front_end(case: Case, implementation: str | None, q, k, v, mask, bias, **overrides):
-    """The case's front end called on (q, k, v, mask, bias), returning ``(out, lse)`` normalised
-    to ``out [B, Lq, H, D]`` and ``lse [B, H, Lq]``."""
+def call_front_end(case: Case, implementation: str | None, q, k, v, mask, bias, segments=None,
+                   **overrides):
+    """The case's front end called on (q, k, v, mask, bias) and the segment ids
+    ``(q_seg, kv_seg)`` or None, returning ``(out, lse)`` normalised to ``out [B, Lq, H, D]`` and
+    ``lse [B, H, Lq]``."""
     kw = dict(scale=case.scale, implementation=implementation, **overrides)
+    if segments is not None:
+        kw.update(q_segment_ids=segments[0], kv_segment_ids=segments[1])
     if case.front_end == "flash":
         return jax_dmattn.flash_dmattn(q, k, v, mask, bias, is_causal=case.causal,
                                        softcap=case.softcap, return_lse=True, **kw)
@@ -318,9 +355,9 @@ def _compiled(case: Case, implementation: str | None, dtype: str, overrides):
     ct = jnp.float64 if dtype == "float64" else jnp.float32
     overrides = dict(overrides)
 
-    def loss(q, k, v, bias, mask, w, wl, lse_finite):
+    def loss(q, k, v, bias, mask, segments, w, wl, lse_finite):
         out, lse = call_front_end(case, implementation, q, k, v, _dpa_operand(case, mask),
-                                  _dpa_operand(case, bias), **overrides)
+                                  _dpa_operand(case, bias), segments, **overrides)
         value = jnp.sum(out.astype(ct) * w) + jnp.sum(jnp.where(lse_finite, lse, 0) * wl)
         return value, (out, lse)
 
@@ -342,8 +379,10 @@ def run_case(case: Case, inputs: dict, implementation: str | None, dtype: str,
     cast = {n: jnp.asarray(inputs[n], jnp.dtype(dtype)) for n in ("q", "k", "v")}
     bias = None if case.bias is None else jnp.asarray(inputs["bias"], jnp.dtype(dtype))
     mask = None if case.mask is None else jnp.asarray(inputs["mask"])
+    segments = (None if case.segments is None
+                else (jnp.asarray(inputs["q_seg"]), jnp.asarray(inputs["kv_seg"])))
     fn = _compiled(case, implementation, dtype, tuple(sorted(overrides.items())))
-    (_, (out, lse)), grads = fn(cast["q"], cast["k"], cast["v"], bias, mask,
+    (_, (out, lse)), grads = fn(cast["q"], cast["k"], cast["v"], bias, mask, segments,
                                 jnp.asarray(inputs["w"], ct), jnp.asarray(inputs["wl"], ct),
                                 jnp.asarray(lse_finite))
     result = {"out": np.asarray(out), "lse": np.asarray(lse)}

@@ -1,7 +1,9 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-Attention: an unmapped mask, bias or length array gets a size-1 dim there (a free reshape) and
-is read with stride 0, so vmap never copies it; k and v likewise when both are unmapped. The
+Attention: an unmapped mask, bias, length or segment id array gets a size-1 dim there (a free
+reshape) and is read with stride 0, so vmap never copies it; k and v likewise when both are
+unmapped, and so are the two lengths and the two segment id arrays (each pair is read through one
+set of batch strides: where only one of a pair is mapped, the other is broadcast, O(L) int32). The
 query-shaped operands (q, and out/dout/lse/dlse in the backward) define the batch: one of them
 unmapped while another operand is mapped is broadcast, which copies a query-sized array, and so
 is k or v when only the other one is mapped (the kernels read k and v through one layout).
@@ -25,11 +27,29 @@ def _leading(x, dim, size: int, broadcast: bool):
     return jnp.moveaxis(x, dim, 0)
 
 
-def _batch(primitive, query_like: frozenset[int]):
+def _pairs(opts: ops.Optionals, num_fixed: int) -> list[tuple[int, int]]:
+    """Operand positions of the pairs read through one layout: k and v, the two lengths, the two
+    segment id arrays."""
+    pairs = [(1, 2)]
+    first = num_fixed + int(opts.has_mask) + int(opts.has_bias)
+    for present in (opts.has_seqlens, opts.has_segments):
+        if present:
+            pairs.append((first, first + 1))
+            first += 2
+    return pairs
+
+
+def _batch(primitive, query_like: frozenset[int], num_fixed: int):
+    """`query_like`: the query-shaped operands; `num_fixed`: how many operands precede the
+    optional ones."""
+
     def rule(args, dims, **params):
         size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-        kv_differ = (dims[1] is None) != (dims[2] is None)
-        moved = [_leading(x, d, size, broadcast=i in query_like or (kv_differ and i in (1, 2)))
+        broadcast = set(query_like)
+        for a, b in _pairs(params["opts"], num_fixed):
+            if (dims[a] is None) != (dims[b] is None):
+                broadcast.update((a, b))
+        moved = [_leading(x, d, size, broadcast=i in broadcast)
                  for i, (x, d) in enumerate(zip(args, dims, strict=True))]
         outs = primitive.bind(*moved, **params)
         return outs, [0] * len(outs)
@@ -37,9 +57,10 @@ def _batch(primitive, query_like: frozenset[int]):
     return rule
 
 
-batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, frozenset({0}))
+batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, frozenset({0}), 3)
 # q, out, dout, lse, dlse are query-shaped (operands 0 and 3..6).
-batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, frozenset({0, 3, 4, 5, 6}))
+batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, frozenset({0, 3, 4, 5, 6}),
+                                                       7)
 
 
 def _batch_every_operand(primitive):

@@ -3,8 +3,8 @@
 ``attention`` takes validated, normalised operands (see ``attention.py``) and returns
 ``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
 other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
-out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask and lengths
-get none).
+out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask, the lengths
+and the segment ids get none).
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ def attention(
     bias: jax.Array | None = None,
     q_lens: jax.Array | None = None,
     kv_lens: jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands."""
+    """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands (segment ids int32
+    ``[B|1, Lq]`` and ``[B|1, Lk]`` of one batch pattern, or both None)."""
     if params.implementation == "xla":
-        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
-    return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens))
+        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
+                                   kv_segments)
+    return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens, q_segments,
+                                          kv_segments))
 
 
 def _varying_axes(x) -> frozenset:
@@ -55,27 +60,30 @@ def vary_alike(*operands):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(params, q, k, v, mask, bias, q_lens, kv_lens):
-    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens)
+def _attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments):
+    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments)
     return out, lse
 
 
-def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens):
+def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments):
     # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
-    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, float32_out=True)
-    return (out.astype(q.dtype), lse), (q, k, v, mask, bias, q_lens, kv_lens, out, lse)
+    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
+                           float32_out=True)
+    residuals = (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, out, lse)
+    return (out.astype(q.dtype), lse), residuals
 
 
 def _attention_bwd(params, residuals, cotangents):
-    q, k, v, mask, bias, q_lens, kv_lens, out, lse = residuals
+    q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, out, lse = residuals
     dout, dlse = cotangents
+    no_grads = (None,) * 4  # q_lens, kv_lens, q_segments, kv_segments: integer inputs
     if bias is not None and _bias_shifts_rows(params, bias):
         dq, dk, dv, _ = ops.backward(params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse,
-                                     mask, None, q_lens, kv_lens)
-        return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), None, None
+                                     mask, None, q_lens, kv_lens, q_segments, kv_segments)
+        return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads
     dq, dk, dv, dbias = ops.backward(params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens,
-                                     kv_lens)
-    return dq, dk, dv, None, dbias, None, None
+                                     kv_lens, q_segments, kv_segments)
+    return dq, dk, dv, None, dbias, *no_grads
 
 
 # A bias constant over keys ([.., Lq|1, 1]) adds one value b_i to every logit of row i: without a

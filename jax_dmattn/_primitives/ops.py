@@ -2,16 +2,20 @@
 and the gradient of dynamic attention's key gathers (:func:`sum_listed_keys`).
 
 Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
-  forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens]`` -> ``out, lse``
-  backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens]``
-           -> ``dq, dk, dv, [dbias]``
-k, v, mask, bias and the lengths may have size 1 on any batch dim (read with stride 0, never
-copied). Gradients are per example over the vmap dims and summed over the API broadcast dims, so
-dk/dv have the full batch dims and dbias has the bias's shape with full vmap dims.
+  forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments]``
+           -> ``out, lse``
+  backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
+           [q_segments, kv_segments]`` -> ``dq, dk, dv, [dbias]``
+(the lengths int32 ``[*B]``, the segment ids int32 ``[*B, Lq]`` and ``[*B, Lk]``). k, v, mask,
+bias, the lengths and the segment ids may have size 1 on any batch dim (read with stride 0, never
+copied); the two lengths, like the two segment id arrays, share one batch pattern. Gradients are
+per example over the vmap dims and summed over the API broadcast dims, so dk/dv have the full
+batch dims and dbias has the bias's shape with full vmap dims.
 
 Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
 bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
-pure-JAX reference. The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
+pure-JAX reference (also for calls with segment ids on a GPU: the CUDA kernels do not read them
+yet). The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
 sharded; sharding builds on this module, so it hands them over (:func:`register_lowerings`) when
 it is imported, which the package's ``__init__`` does.
 """
@@ -51,27 +55,37 @@ class Optionals(NamedTuple):
     has_mask: bool
     has_bias: bool
     has_seqlens: bool
+    has_segments: bool = False
     float32_out: bool = False
 
     @classmethod
-    def of(cls, mask, bias, q_lens) -> Optionals:
-        return cls(mask is not None, bias is not None, q_lens is not None)
+    def of(cls, mask, bias, q_lens, q_segments=None) -> Optionals:
+        return cls(mask is not None, bias is not None, q_lens is not None, q_segments is not None)
+
+    @property
+    def num_extras(self) -> int:
+        """How many optional operands follow the fixed ones."""
+        return (int(self.has_mask) + int(self.has_bias) + 2 * int(self.has_seqlens)
+                + 2 * int(self.has_segments))
 
     def split(self, extras: Sequence) -> tuple:
-        """``[mask], [bias], [q_lens, kv_lens]`` -> ``(mask, bias, q_lens, kv_lens)`` with Nones."""
+        """``[mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments]`` ->
+        ``(mask, bias, q_lens, kv_lens, q_segments, kv_segments)`` with Nones."""
         extras = list(extras)
         mask = extras.pop(0) if self.has_mask else None
         bias = extras.pop(0) if self.has_bias else None
         q_lens, kv_lens = (extras.pop(0), extras.pop(0)) if self.has_seqlens else (None, None)
+        q_segments, kv_segments = ((extras.pop(0), extras.pop(0)) if self.has_segments
+                                   else (None, None))
         assert not extras
-        return mask, bias, q_lens, kv_lens
+        return mask, bias, q_lens, kv_lens, q_segments, kv_segments
 
     def out_dtype(self, q_dtype):
         return jnp.float32 if self.float32_out else q_dtype
 
     def ffi_attributes(self, params: AttentionParams) -> dict:
         return params.ffi_attributes(has_mask=self.has_mask, has_bias=self.has_bias,
-                                     has_seqlens=self.has_seqlens)
+                                     has_seqlens=self.has_seqlens, has_segments=self.has_segments)
 
 
 def _present(*xs):
@@ -79,18 +93,20 @@ def _present(*xs):
 
 
 def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None,
-            float32_out: bool = False):
+            q_segments=None, kv_segments=None, float32_out: bool = False):
     """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``; out in q's dtype, or float32."""
-    opts = Optionals.of(mask, bias, q_lens)._replace(float32_out=float32_out)
-    return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens), params=params, opts=opts)
+    opts = Optionals.of(mask, bias, q_lens, q_segments)._replace(float32_out=float32_out)
+    return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments),
+                          params=params, opts=opts)
 
 
 def backward(params: AttentionParams, q, k, v, out, dout, lse, dlse, mask=None, bias=None,
-             q_lens=None, kv_lens=None):
+             q_lens=None, kv_lens=None, q_segments=None, kv_segments=None):
     """``(dq, dk, dv, dbias)``; dbias is None without a bias."""
-    opts = Optionals.of(mask, bias, q_lens)
+    opts = Optionals.of(mask, bias, q_lens, q_segments)
     grads = backward_p.bind(q, k, v, out, dout, lse, dlse,
-                            *_present(mask, bias, q_lens, kv_lens), params=params, opts=opts)
+                            *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments),
+                            params=params, opts=opts)
     return (*grads, None) if not opts.has_bias else tuple(grads)
 
 
@@ -120,7 +136,7 @@ def _forward_abstract_eval(q, k, v, *extras, params, opts):
 
 
 def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
-    _, bias, _, _ = opts.split(extras)
+    bias = opts.split(extras)[1]
     grads = [_like(q, q.shape, q.dtype),
              _like(q, gradient_shape(k.shape, q.shape, 1), k.dtype),
              _like(q, gradient_shape(v.shape, q.shape, 1), v.dtype)]
@@ -178,28 +194,42 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     return None
 
 
-def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
+# Why a GPU call with segment ids runs the reference (the CUDA kernels do not read them yet).
+SEGMENTS_ON_CUDA = "the CUDA kernels do not read segment ids yet (issue 24)"
+SEGMENTS_FIX = "Calls without q_segment_ids / kv_segment_ids run the CUDA kernels."
+
+
+def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
+                has_segments: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call, implementation="cuda" raises and None warns once per reason
-    (then runs the pure-JAX reference)."""
+    without a kernel for the call (or for a call with segment ids, which the CUDA kernels do not
+    read yet), implementation="cuda" raises and None warns once per reason (then runs the
+    pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
             f"jax_dmattn: implementation={requested!r} cannot run on platform {platform!r}; "
             f"use implementation=None or {platform!r} there")
-    if platform == "cpu":
-        return True
-    if platform != "cuda":
+    if platform not in ("cpu", "cuda"):
         return False
-    missing = _missing_cuda_kernel(dtype, head_dim)
+    if platform == "cpu":
+        missing = None
+        if has_segments and not _ffi.kernels_read_segments():
+            missing = ("the CPU kernels of this build do not read segment ids",
+                       "Rebuild jax_dmattn (pip install .).")
+    else:
+        missing = _missing_cuda_kernel(dtype, head_dim)
+        if missing is None and has_segments:
+            missing = (SEGMENTS_ON_CUDA, SEGMENTS_FIX)
     if missing is not None:
         reason, fix = missing
-        if requested == "cuda":
+        if requested == platform:
             raise ValueError(f"jax_dmattn: {reason}. {fix}")
         if reason not in _warned_fallbacks:
             _warned_fallbacks.add(reason)
+            where = "GPU" if platform == "cuda" else "CPU"
             warnings.warn(
-                f"jax_dmattn: {reason}; such calls on the GPU run the pure-JAX reference "
+                f"jax_dmattn: {reason}; such calls on the {where} run the pure-JAX reference "
                 f"(O(L^2) memory, slow). {fix} implementation='xla' asks for the reference "
                 "without this warning.", RuntimeWarning, stacklevel=2)
     return missing is None
@@ -211,10 +241,11 @@ def _reference_forward(params, opts, q, k, v, *extras):
 
 
 def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
-    mask, bias, q_lens, kv_lens = opts.split(extras)
+    mask, bias, q_lens, kv_lens, q_segments, kv_segments = opts.split(extras)
 
     def fn(q, k, v, bias):
-        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
+        return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
+                                   kv_segments)
 
     _, vjp = jax.vjp(fn, q, k, v, bias)
     dq, dk, dv, dbias = vjp((dout, dlse.astype(lse.dtype)))
@@ -224,7 +255,7 @@ def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
 def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
-        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1]):
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_segments):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

@@ -94,19 +94,20 @@ REFERENCE_STEPS = StepFns(_reference_forward, _reference_backward)
 
 
 def ring_candidate(params: AttentionParams, has_seqlens: bool, seqlen_q: int,
-                   seqlen_k: int) -> bool:
+                   seqlen_k: int, has_segments: bool = False) -> bool:
     """True when a call's visibility rule can run as a ring over sequence chunks: no sequence
-    lengths, no window, and causality only on the main diagonal of a square score matrix (the
-    ring then needs three kinds of step: past, diagonal, future)."""
-    if has_seqlens or params.window_left >= 0 or params.window_right not in (-1, 0):
+    lengths, no segment ids, no window, and causality only on the main diagonal of a square score
+    matrix (the ring then needs three kinds of step: past, diagonal, future)."""
+    if (has_seqlens or has_segments or params.window_left >= 0
+            or params.window_right not in (-1, 0)):
         return False
     return params.window_right == -1 or (params.diagonal_offset == 0 and seqlen_q == seqlen_k)
 
 
 def ring_supported(params: AttentionParams, has_seqlens: bool, seqlen_q: int, seqlen_k: int,
-                   num_shards: int) -> bool:
+                   num_shards: int, has_segments: bool = False) -> bool:
     """:func:`ring_candidate`, and both sequences split evenly into ``num_shards`` chunks."""
-    return (ring_candidate(params, has_seqlens, seqlen_q, seqlen_k)
+    return (ring_candidate(params, has_seqlens, seqlen_q, seqlen_k, has_segments)
             and seqlen_q % num_shards == 0 and seqlen_k % num_shards == 0)
 
 

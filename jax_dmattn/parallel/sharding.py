@@ -8,7 +8,8 @@ gradient over the mesh axes its input was replicated over while q was sharded: d
 broadcast over batch, heads or query rows, dk/dv for kv heads shared by sharded query heads.
 
 A sharded query sequence keeps its sharding when the call can run as a ring
-(``context_parallel.ring_supported``: no window, no sequence lengths, causal only with
+(``context_parallel.ring_supported``: no window, no sequence lengths or segment ids, causal
+only with
 ``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence sharding, a
 mask or bias keeps its query rows sharded and its key columns replicated, and the lowering runs
 ``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with the kernels as
@@ -41,7 +42,7 @@ def _forward_impl(platform, params, opts, *operands):
 
 def _backward_impl(platform, params, opts, *operands):
     q, k, v = operands[:3]
-    _, bias, _, _ = opts.split(operands[7:])
+    bias = opts.split(operands[7:])[1]
     return tuple(_ffi.call_backward(platform, params, opts, *operands,
                                     grad_shapes=_grad_shapes(q, k, v, bias)))
 
@@ -91,7 +92,8 @@ class _Layout:
         head = ["q", "kv", "kv"] + (["q", "q", "lse", "lse"] if self.backward else [])
         extras = (["mask"] if self.opts.has_mask else []) + (["bias"] if self.opts.has_bias
                                                              else [])
-        return head + extras + (["lens", "lens"] if self.opts.has_seqlens else [])
+        return (head + extras + (["lens", "lens"] if self.opts.has_seqlens else [])
+                + (["qseg", "kvseg"] if self.opts.has_segments else []))
 
 
 def _shard_count(mesh, axes) -> int:
@@ -134,8 +136,10 @@ def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
     kv_head_axes = head_axes if n > 1 and layout.kv_heads % n == 0 else None
     seq_axes = q_spec[layout.num_batch]
     seq_shards = _shard_count(mesh, seq_axes)
+    opts = layout.opts
     if seq_shards == 1 or not context_parallel.ring_supported(
-            params, layout.opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards):
+            params, opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards,
+            opts.has_segments):
         seq_axes = None
     return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
 
@@ -152,6 +156,8 @@ def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
         return PartitionSpec(*batch, plan.heads, plan.seq)
     if kind == "lens":
         return PartitionSpec(*batch)
+    if kind in ("qseg", "kvseg"):  # batch dims as q's, the sequence replicated (never a ring)
+        return PartitionSpec(*batch, None)
     heads = shape[nb]
     if heads == layout.heads:
         axes = plan.heads
@@ -207,14 +213,14 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
 
 
 def _ring_forward(platform, params, opts, axis_name, q, k, v, *extras):
-    mask, bias, _, _ = opts.split(extras)
+    mask, bias = opts.split(extras)[:2]
     return context_parallel.ring_forward(_kernel_steps(platform), params, q, k, v, mask, bias,
                                          axis_name=axis_name,
                                          out_dtype=opts.out_dtype(q.dtype))
 
 
 def _ring_backward(platform, params, opts, axis_name, q, k, v, out, dout, lse, dlse, *extras):
-    mask, bias, _, _ = opts.split(extras)
+    mask, bias = opts.split(extras)[:2]
     grads = context_parallel.ring_backward(_kernel_steps(platform), params, q, k, v, out, dout,
                                            lse, dlse, mask, bias, axis_name=axis_name)
     return grads[:3] if bias is None else grads
@@ -263,6 +269,12 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
             return [*bat, heads, lq]
         if kind == "lens":
             return bat
+        # The segment ids' sequence dims are q's and k's: replicated, since such a call is no
+        # ring candidate.
+        if kind == "qseg":
+            return [*bat, lq]
+        if kind == "kvseg":
+            return [*bat, lk]
         nb = layout.num_batch
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
@@ -286,7 +298,7 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # The sequences may stay sharded where the partition callback can run the call as a ring
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
-                                               layout.seqlen_k)
+                                               layout.seqlen_k, opts.has_segments)
     factors = (d, kc) if ringable else (lq, lk, d, kc)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
