@@ -454,3 +454,19 @@ def test_no_lq_by_lk_array():
 
 def test_available_in_package():
     assert "q_segment_ids" in jax_dmattn.flash_dmattn.__doc__
+
+
+def test_vmap_one_length_mapped():
+    """The batching rule's pairs: vmap with only query_seq_lengths mapped hands the kernels both
+    lengths with one batch pattern (the unmapped one broadcast), as for the segment ids."""
+    q, k, v = _qkv(12, batch=(V, B))
+    q_lens = np.array([[LQ, 3], [7, LQ], [1, 0]], np.int32)
+    kv_lens = np.array([LK, 9], np.int32)
+
+    def call(q, k, v, q_lens, implementation):
+        return dot_product_attention(q, k, v, query_seq_lengths=q_lens,
+                                     key_value_seq_lengths=kv_lens, implementation=implementation)
+
+    got = jax.jit(jax.vmap(lambda *a: call(*a, "cpu")))(q, k, v, q_lens)
+    ref = jax.vmap(lambda *a: call(*a, "xla"))(q, k, v, q_lens)
+    assert_close("out", got, ref, 1e-5)
