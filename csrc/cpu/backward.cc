@@ -215,7 +215,7 @@ void KeyBlockTask(const AttentionShape& shape, const BackwardArgs& args, const O
   const int64_t dp = PaddedHeadDim(shape);
   std::vector<HeadItem> items;
   for (const int64_t item : group.items)
-    items.push_back(MakeHeadItem(shape, args.q_lens, args.kv_lens, item / shape.num_heads,
+    items.push_back(MakeHeadItem(shape, args, item / shape.num_heads,
                                  item % shape.num_heads));
   KeyBlockTiles<T> kv(shape, ops, group);
   DbiasAccumulator<T> dbias(shape, ops.dbias, group.dbias.offsets);
@@ -257,7 +257,7 @@ template <typename T>
 void QueryBlockTask(const AttentionShape& shape, const BackwardArgs& args, int64_t b, int64_t h,
                     int64_t qb) {
   const Operands<T> ops(shape, args);
-  const HeadItem item = MakeHeadItem(shape, args.q_lens, args.kv_lens, b, h);
+  const HeadItem item = MakeHeadItem(shape, args, b, h);
   const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
   const int64_t q_stride = shape.q_row_stride(), kv_stride = shape.kv_row_stride();
   const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;

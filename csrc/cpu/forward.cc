@@ -89,7 +89,7 @@ void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
 template <typename T>
 void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b, int64_t h,
                  int64_t qb) {
-  const HeadItem item = MakeHeadItem(shape, args.q_lens, args.kv_lens, b, h);
+  const HeadItem item = MakeHeadItem(shape, args, b, h);
   const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
   const int64_t q_stride = shape.q_row_stride();
   const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile

@@ -49,7 +49,7 @@ inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad
 }
 
 // s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
-// q_len / kv_len, or masked out.
+// q_len / kv_len, in another segment, or masked out.
 inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
                                 const bool* item_mask, const Tile& t, float* s) {
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
@@ -57,6 +57,12 @@ inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& ite
     const Range vis = r < t.rows ? RowVisibleCols(shape, item, t, r) : Range{};
     for (int64_t c = 0; c < t.padded_cols(); ++c)
       srow[c] = (c >= vis.begin && c < vis.end) ? srow[c] : -INFINITY;
+    if (item.q_segments != nullptr && !vis.empty()) {
+      const int32_t segment = item.q_segments[t.i0 + r];
+      const int32_t* __restrict keys = item.kv_segments + t.j0;
+      for (int64_t c = vis.begin; c < vis.end; ++c)
+        srow[c] = keys[c] == segment ? srow[c] : -INFINITY;
+    }
     if (item_mask == nullptr || vis.empty()) continue;
     // Read as bytes: g++ vectorises this select, but not the same loop over bool.
     const uint8_t* m = reinterpret_cast<const uint8_t*>(OperandRow(item_mask, shape.mask, t, r));

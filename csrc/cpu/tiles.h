@@ -32,17 +32,26 @@ struct HeadItem {
   int64_t kv_offset = 0;          // k, v, dk, dv
   int64_t lse_offset = 0;         // lse, dlse, softmax_d
   int64_t mask_offset = 0, bias_offset = 0;
+  // The item's segment ids (query i sees key j only where they are equal), or null.
+  const int32_t* q_segments = nullptr;  // [Lq]
+  const int32_t* kv_segments = nullptr;  // [Lk]
 };
 
-inline HeadItem MakeHeadItem(const AttentionShape& shape, const int32_t* q_lens,
-                             const int32_t* kv_lens, int64_t b, int64_t h) {
+// Args: ForwardArgs or BackwardArgs (their lengths and segment ids).
+template <typename Args>
+HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, int64_t h) {
   HeadItem item;
   item.q_len = shape.seqlen_q;
   item.kv_len = shape.seqlen_k;
   if (shape.has_seqlens) {
     const int64_t at = shape.seqlens_batch.offset(shape.batch, b);
-    if (q_lens) item.q_len = std::clamp<int64_t>(q_lens[at], 0, shape.seqlen_q);
-    if (kv_lens) item.kv_len = std::clamp<int64_t>(kv_lens[at], 0, shape.seqlen_k);
+    if (args.q_lens) item.q_len = std::clamp<int64_t>(args.q_lens[at], 0, shape.seqlen_q);
+    if (args.kv_lens) item.kv_len = std::clamp<int64_t>(args.kv_lens[at], 0, shape.seqlen_k);
+  }
+  if (shape.has_segments) {
+    const int64_t row = shape.segments_batch.offset(shape.batch, b);
+    item.q_segments = args.q_segments + row * shape.seqlen_q;
+    item.kv_segments = args.kv_segments + row * shape.seqlen_k;
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -149,12 +158,25 @@ inline bool MaskBlockAny(const bool* first_row, int64_t row_stride, int64_t rows
   return false;
 }
 
-// Whether any (row, key) of the tile is visible: the diagonal/window rule first, then an OR over
-// the mask entries it leaves (upstream's __syncthreads_or). A false answer means the tile is
-// skipped: no K/V/bias loads, no math. item_mask is null when there is no mask.
+// Whether the tile's query rows and keys may share a segment id: their ids' [min, max] spans
+// overlap. Packed (sorted) ids make this exact; any order keeps it safe (it never skips a
+// visible pair).
+inline bool TileSegmentsMeet(const HeadItem& item, const Tile& t) {
+  if (item.q_segments == nullptr) return true;
+  const auto [q_lo, q_hi] = std::minmax_element(item.q_segments + t.i0,
+                                                item.q_segments + t.i0 + t.rows);
+  const auto [k_lo, k_hi] = std::minmax_element(item.kv_segments + t.j0,
+                                                item.kv_segments + t.j0 + t.cols);
+  return *q_lo <= *k_hi && *k_lo <= *q_hi;
+}
+
+// Whether any (row, key) of the tile is visible: the segments' ranges and the diagonal/window
+// rule first, then an OR over the mask entries they leave (upstream's __syncthreads_or). A false
+// answer means the tile is skipped: no K/V/bias loads, no math. item_mask is null when there is
+// no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0) return false;
+  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t)) return false;
   // Row ranges only move right, so the rule leaves the whole tile when the last row starts at
   // column 0 and the first row ends at the last column: the common case, scanned block-wise.
   const bool whole_tile = RowVisibleCols(shape, item, t, t.rows - 1).begin == 0 &&

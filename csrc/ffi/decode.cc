@@ -1,5 +1,7 @@
 #include "ffi/decode.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -193,37 +195,64 @@ ffi::Error DecodeMaskSummaries(ffi::AnyBuffer map, ffi::AnyBuffer bits, ffi::Any
   return ffi::Error::Success();
 }
 
-// The optional operands shared by forward and backward (the mask map last, after a mask).
+// Segment ids: int32 [*batch|1, Lq] and [*batch|1, Lk], with the same batch dims.
+ffi::Error DecodeSegments(ffi::AnyBuffer q_segments, ffi::AnyBuffer kv_segments,
+                          AttentionShape* s) {
+  const auto qd = q_segments.dimensions(), kd = kv_segments.dimensions();
+  const int r = s->batch.rank;
+  bool ok = q_segments.element_type() == ffi::DataType::S32 &&
+            kv_segments.element_type() == ffi::DataType::S32 &&
+            static_cast<int>(qd.size()) == r + 1 && static_cast<int>(kd.size()) == r + 1 &&
+            qd[r] == s->seqlen_q && kd[r] == s->seqlen_k;
+  for (int d = 0; ok && d < r; ++d) ok = qd[d] == kd[d];
+  if (!ok) {
+    return Invalid("segment ids must be int32 [*batch, Lq] and [*batch, Lk] with the same batch "
+                   "dims, got " + DimsString(qd) + " and " + DimsString(kd));
+  }
+  DMATTN_ASSIGN_OR_RETURN(strides, BroadcastBatchStrides(qd, s->batch, "segment ids"));
+  for (int d = 0; d < r; ++d) strides.strides[d] /= std::max<int64_t>(s->seqlen_q, 1);  // rows
+  s->segments_batch = strides;
+  s->has_segments = true;
+  return ffi::Error::Success();
+}
+
+// The optional operands shared by forward and backward (the mask map last, after a mask) into
+// the call's pointers (ForwardArgs or BackwardArgs).
+template <typename Args>
 ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
-                                  ffi::DataType dtype, AttentionShape* s, const bool** mask,
-                                  const void** bias, const int32_t** q_lens,
-                                  const int32_t** kv_lens, const uint8_t** mask_map,
-                                  const uint8_t** mask_bits) {
+                                  ffi::DataType dtype, AttentionShape* s, Args* p) {
   std::optional<ffi::AnyBuffer> mask_buffer;
   if (attrs.has_mask) {
     DMATTN_ASSIGN_OR_RETURN(m, cursor.Next("mask"));
     if (m.element_type() != ffi::DataType::PRED) return Invalid("mask must be bool");
     if (auto e = DecodeBroadcastOperand(m, *s, "mask", &s->mask); e.failure()) return e;
-    *mask = static_cast<const bool*>(m.untyped_data());
+    p->mask = static_cast<const bool*>(m.untyped_data());
     mask_buffer = m;
   }
   if (attrs.has_bias) {
     DMATTN_ASSIGN_OR_RETURN(b, cursor.Next("bias"));
     if (auto e = ExpectSameType(b, dtype, "bias"); e.failure()) return e;
     if (auto e = DecodeBroadcastOperand(b, *s, "bias", &s->bias); e.failure()) return e;
-    *bias = b.untyped_data();
+    p->bias = b.untyped_data();
   }
   if (attrs.has_seqlens) {
     DMATTN_ASSIGN_OR_RETURN(ql, cursor.Next("q_lens"));
     DMATTN_ASSIGN_OR_RETURN(kl, cursor.Next("kv_lens"));
     if (auto e = DecodeSeqlens(ql, kl, s); e.failure()) return e;
-    *q_lens = static_cast<const int32_t*>(ql.untyped_data());
-    *kv_lens = static_cast<const int32_t*>(kl.untyped_data());
+    p->q_lens = static_cast<const int32_t*>(ql.untyped_data());
+    p->kv_lens = static_cast<const int32_t*>(kl.untyped_data());
+  }
+  if (attrs.has_segments) {
+    DMATTN_ASSIGN_OR_RETURN(qs, cursor.Next("q_segments"));
+    DMATTN_ASSIGN_OR_RETURN(ks, cursor.Next("kv_segments"));
+    if (auto e = DecodeSegments(qs, ks, s); e.failure()) return e;
+    p->q_segments = static_cast<const int32_t*>(qs.untyped_data());
+    p->kv_segments = static_cast<const int32_t*>(ks.untyped_data());
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));
     DMATTN_ASSIGN_OR_RETURN(bits, cursor.Next("mask_bits"));
-    return DecodeMaskSummaries(map, bits, *mask_buffer, mask_map, mask_bits);
+    return DecodeMaskSummaries(map, bits, *mask_buffer, &p->mask_map, &p->mask_bits);
   }
   return ffi::Error::Success();
 }
@@ -305,10 +334,7 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
   if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
-  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens, &p->mask_map,
-                                      &p->mask_bits);
-      e.failure()) {
+  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, p); e.failure()) {
     return e;
   }
   if (!in.done()) return Invalid("unexpected extra operands");
@@ -341,10 +367,7 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
   if (auto e = ExpectLikeQ(dout, q, "dout"); e.failure()) return e;
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   if (auto e = ExpectLse(dlse, *s, "dlse"); e.failure()) return e;
-  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, &p->mask, &p->bias,
-                                      &p->q_lens, &p->kv_lens, &p->mask_map,
-                                      &p->mask_bits);
-      e.failure()) {
+  if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, p); e.failure()) {
     return e;
   }
   if (!in.done()) return Invalid("unexpected extra operands");

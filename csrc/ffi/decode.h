@@ -1,10 +1,11 @@
 // Decoding of an FFI call frame into the one params struct, for both platforms.
 //
 // Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
-//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [mask_map, mask_bits]
+//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
+//                  [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
-//                  [mask_map, mask_bits]
+//                  [q_segments, kv_segments], [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
@@ -28,6 +29,7 @@ struct AttentionAttrs {
   bool has_mask;
   bool has_bias;
   bool has_seqlens;
+  bool has_segments;
   bool deterministic;
 };
 
@@ -72,5 +74,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("window_left"),
     ::xla::ffi::StructMember<int64_t>("window_right"),
     ::xla::ffi::StructMember<bool>("has_mask"), ::xla::ffi::StructMember<bool>("has_bias"),
-    ::xla::ffi::StructMember<bool>("has_seqlens"),
+    ::xla::ffi::StructMember<bool>("has_seqlens"), ::xla::ffi::StructMember<bool>("has_segments"),
     ::xla::ffi::StructMember<bool>("deterministic"));
