@@ -2,10 +2,9 @@
 sees key ``j`` only where their ids are equal, and-ed with every other rule.
 
 The oracle is independent of the library's segment code: the float64 ``xla`` implementation run
-on a dense ``[B, H, Lq, Lk]`` mask that holds the segment rule (and the case's own mask). Cases
-on ``implementation="cpu"`` need C++ kernels that read segment ids (``build_info()["segments"]``)
-and are skipped on an older build; ``implementation=None`` runs the primitives either way (the
-kernels, or the reference lowering with a warning on an older build).
+on a dense ``[B, H, Lq, Lk]`` mask that holds the segment rule (and the case's own mask). The
+CPU kernels read the ids; the CUDA kernels do not yet (their calls run the reference, with a
+warning).
 """
 
 from __future__ import annotations
@@ -34,20 +33,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_dmattn
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, ops
-
-SEGMENTS_BUILT = bool(_ffi.build_info().get("segments", False))
-needs_cpp = pytest.mark.skipif(not SEGMENTS_BUILT, reason="C++ segment ids not built")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_fallback():
-    """implementation=None on a build whose CPU kernels do not read segment ids warns once and
-    runs the reference; these tests check results, test_fallback_warning the warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "jax_dmattn: the CPU kernels of this build",
-                                RuntimeWarning)
-        yield
-
 
 # ---- the oracle: a dense mask holding the segment rule ----------------------------------------
 
@@ -99,7 +84,6 @@ def test_xla(case):
     check_case(case, "xla", inputs, dense_reference(case, inputs))
 
 
-@needs_cpp
 @pytest.mark.parametrize("case", CASES, ids=cases_ids(CASES))
 def test_cpu(case):
     inputs = make_inputs(case)
@@ -155,7 +139,7 @@ def _dense(q, k, v, q_seg, kv_seg, **kw):
                         return_lse=True, implementation="xla", **kw)
 
 
-IMPLS = ["xla", None, pytest.param("cpu", marks=needs_cpp)]
+IMPLS = ["xla", None, "cpu"]
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int64, np.uint32])
@@ -335,12 +319,8 @@ def test_fallback_warning(monkeypatch):
     with pytest.raises(ValueError, match="segment ids"):
         ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
                         16, has_segments=True)
-    # CPU: the kernels where this build reads segment ids, else the reference
-    monkeypatch.setattr(_ffi, "build_info", lambda: dict(FAKE_BUILD, segments=True))
+    # CPU: the kernels read them
     assert ops.uses_kernel("cpu", params, jnp.float32, 16, has_segments=True)
-    monkeypatch.setattr(_ffi, "build_info", lambda: FAKE_BUILD)
-    with pytest.warns(RuntimeWarning, match="CPU kernels of this build do not read segment"):
-        assert not ops.uses_kernel("cpu", params, jnp.float32, 16, has_segments=True)
 
 
 def test_ffi_operands_and_attributes(monkeypatch):
@@ -430,7 +410,6 @@ def _seq_by_seq_types(text: str, lq: int, lk: int) -> list[str]:
     return re.findall(rf"tensor<(?:\d+x)*(?:{lq}x{lk}|{lk}x{lq})x\w+>", text)
 
 
-@needs_cpp
 def test_no_lq_by_lk_array():
     """A cpu call with segment ids (forward and backward) holds no [Lq, Lk] array: the kernels
     read the O(L) ids (the xla implementation, which does build one, shows the check works)."""

@@ -70,11 +70,6 @@ def build_info() -> dict[str, Any]:
     return dict(_extension().build_info())
 
 
-def kernels_read_segments() -> bool:
-    """Whether this build's kernels decode and read sequence-packing segment ids."""
-    return bool(build_info().get("segments", False))
-
-
 def has_cuda_kernels() -> bool:
     return bool(build_info()["cuda"])
 
@@ -170,17 +165,6 @@ def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], obje
     return [o.reshape(shape) for o, (shape, _) in zip(outs, results, strict=False)]
 
 
-def _attributes(params, opts) -> dict:
-    """The call's FFI attributes. A build from before the kernels took segment ids (no
-    ``"segments"`` in its build_info) decodes no ``has_segments`` attribute; such builds never
-    get a call with segment ids (:func:`ops.uses_kernel` sends those to the reference)."""
-    attrs = opts.ffi_attributes(params)
-    if not kernels_read_segments():
-        assert not opts.has_segments, "segment ids reached a kernel that does not read them"
-        del attrs["has_segments"]
-    return attrs
-
-
 def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     """``[out, lse]`` from the platform's forward kernel."""
     register_targets()
@@ -191,7 +175,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
         extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
         workspaces = _cuda_forward_workspaces
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
-                 _attributes(params, opts), workspaces)
+                 opts.ffi_attributes(params), workspaces)
 
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
@@ -209,7 +193,7 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
         workspaces.append((q.shape, np.float32))  # dq accumulator
         extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
-                 q.ndim - 3, _attributes(params, opts), extra)
+                 q.ndim - 3, opts.ffi_attributes(params), extra)
     return outs[:len(grads)]
 
 

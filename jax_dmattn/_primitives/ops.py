@@ -214,9 +214,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
         return False
     if platform == "cpu":
         missing = None
-        if has_segments and not _ffi.kernels_read_segments():
-            missing = ("the CPU kernels of this build do not read segment ids",
-                       "Rebuild jax_dmattn (pip install .).")
     else:
         missing = _missing_cuda_kernel(dtype, head_dim)
         if missing is None and has_segments:

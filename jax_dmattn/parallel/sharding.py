@@ -9,11 +9,10 @@ broadcast over batch, heads or query rows, dk/dv for kv heads shared by sharded 
 
 A sharded query sequence keeps its sharding when the call can run as a ring
 (``context_parallel.ring_supported``: no window, no sequence lengths or segment ids, causal
-only with
-``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence sharding, a
-mask or bias keeps its query rows sharded and its key columns replicated, and the lowering runs
-``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with the kernels as
-steps. Any other sequence sharding is replicated (gathered) as before.
+only with ``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence
+sharding, a mask or bias keeps its query rows sharded and its key columns replicated, and the
+lowering runs ``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with
+the kernels as steps. Any other sequence sharding is replicated (gathered) as before.
 Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
 
 Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
