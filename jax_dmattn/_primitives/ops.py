@@ -62,12 +62,6 @@ class Optionals(NamedTuple):
     def of(cls, mask, bias, q_lens, q_segments=None) -> Optionals:
         return cls(mask is not None, bias is not None, q_lens is not None, q_segments is not None)
 
-    @property
-    def num_extras(self) -> int:
-        """How many optional operands follow the fixed ones."""
-        return (int(self.has_mask) + int(self.has_bias) + 2 * int(self.has_seqlens)
-                + 2 * int(self.has_segments))
-
     def split(self, extras: Sequence) -> tuple:
         """``[mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments]`` ->
         ``(mask, bias, q_lens, kv_lens, q_segments, kv_segments)`` with Nones."""
@@ -210,23 +204,21 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
         raise ValueError(
             f"jax_dmattn: implementation={requested!r} cannot run on platform {platform!r}; "
             f"use implementation=None or {platform!r} there")
-    if platform not in ("cpu", "cuda"):
-        return False
     if platform == "cpu":
-        missing = None
-    else:
-        missing = _missing_cuda_kernel(dtype, head_dim)
-        if missing is None and has_segments:
-            missing = (SEGMENTS_ON_CUDA, SEGMENTS_FIX)
+        return True
+    if platform != "cuda":
+        return False
+    missing = _missing_cuda_kernel(dtype, head_dim)
+    if missing is None and has_segments:
+        missing = (SEGMENTS_ON_CUDA, SEGMENTS_FIX)
     if missing is not None:
         reason, fix = missing
-        if requested == platform:
+        if requested == "cuda":
             raise ValueError(f"jax_dmattn: {reason}. {fix}")
         if reason not in _warned_fallbacks:
             _warned_fallbacks.add(reason)
-            where = "GPU" if platform == "cuda" else "CPU"
             warnings.warn(
-                f"jax_dmattn: {reason}; such calls on the {where} run the pure-JAX reference "
+                f"jax_dmattn: {reason}; such calls on the GPU run the pure-JAX reference "
                 f"(O(L^2) memory, slow). {fix} implementation='xla' asks for the reference "
                 "without this warning.", RuntimeWarning, stacklevel=2)
     return missing is None
