@@ -5,6 +5,7 @@
     dma = jax_dmattn.equinox.DynamicMaskAttention(512, 8, num_kv_heads=2, window=256,
                                                   key=jax.random.PRNGKey(0))
     y = dma(x)  # x [B, L, 512] -> [B, L, 512], or [L, 512] -> [L, 512] (e.g. under jax.vmap)
+    y = dma(x, segment_ids=ids)  # packed rows: ids [B, L] (or [L]), a document per run of ids
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class DynamicMaskAttention(eqx.Module):
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``dt_proj``, ``o_proj`` (``eqx.nn.Linear``
     without bias; weights ``[out, in]``, the transpose of the Flax kernels) and ``A [Hk]``,
     initialised to ones (upstream: zeros; ones make the mask's choice of keys informative from
-    the first step). No KV cache.
+    the first step). No KV cache. With ``segment_ids`` (packed rows) each run of equal ids is
+    a document attended as if alone (see ``jax_dmattn.layers.common``).
     """
 
     q_proj: eqx.nn.Linear
@@ -82,10 +84,16 @@ class DynamicMaskAttention(eqx.Module):
         self.o_proj = linear(num_heads * self.head_dim, hidden_size)
         self.A = jnp.ones((self.num_kv_heads,), self.q_proj.weight.dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Args:
           x: ``[B, L, hidden]``, or ``[L, hidden]`` for one sequence.
-          positions: int ``[B, L]`` or ``[L]`` for RoPE (default ``arange(L)``).
+          positions: int ``[B, L]`` or ``[L]`` for RoPE (default ``arange(L)``; with
+            `segment_ids`, each token's index within its document).
+          segment_ids: optional integer ``[B, L]`` (or ``[1, L]``), ``[L]`` for one sequence:
+            the document of each token of a packed row (one document per run of equal ids); a
+            token sees only earlier tokens of its document, its top-``window`` chosen among
+            them.
 
         Returns:
           the output of x's shape.
@@ -93,11 +101,17 @@ class DynamicMaskAttention(eqx.Module):
         unbatched = x.ndim == 2
         if unbatched:
             x = x[None]
+            if segment_ids is not None and jnp.ndim(segment_ids) != 1:
+                raise ValueError(
+                    f"segment_ids for one sequence x [L, hidden] = {x.shape[1:]} must be 1-D "
+                    f"[L] = [{x.shape[1]}], got shape {jnp.shape(segment_ids)}")
+            segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)[None]
+        segment_ids = common.check_segment_ids(segment_ids, x.shape[0], x.shape[1])
         q, k, v, bias = common.project(
             x, positions, q_proj=_tokenwise(self.q_proj), k_proj=_tokenwise(self.k_proj),
             v_proj=_tokenwise(self.v_proj), dt_proj=_tokenwise(self.dt_proj), a=self.A,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            rope_theta=self.rope_theta)
-        out = common.attend(q, k, v, bias, self.window, self.implementation)
+            rope_theta=self.rope_theta, segment_ids=segment_ids)
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids)
         out = _tokenwise(self.o_proj)(out)
         return out[0] if unbatched else out

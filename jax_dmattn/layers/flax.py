@@ -9,6 +9,7 @@ Attention layer for Flax NNX (with a KV cache) and Flax Linen.
     dma = jax_dmattn.flax.DynamicMaskAttention(512, 8, num_kv_heads=2, window=256,
                                                rngs=nnx.Rngs(0))
     y = dma(x)  # x [B, L, 512] -> [B, L, 512]
+    y = dma(x, segment_ids=ids)  # packed rows: ids [B, L], one document per run of equal ids
 """
 
 from __future__ import annotations
@@ -42,6 +43,25 @@ def _fold_batch(x: jax.Array | None, batch: tuple[int, ...]) -> jax.Array | None
     return x.reshape((math.prod(batch), *x.shape[nb:]))
 
 
+def _fold_segment_ids(ids: jax.Array | None, batch: tuple[int, ...], length: int,
+                      name: str) -> jax.Array | None:
+    """Segment ids broadcastable to ``[*batch, length]`` as int32 ``[prod(batch), length]``."""
+    if ids is None:
+        return None
+    ids = jnp.asarray(ids)
+    expected = f"[{', '.join(map(str, (*batch, length)))}]"
+    lead = (1,) * (len(batch) + 1 - ids.ndim) + ids.shape[:-1]  # leading dims, right-aligned
+    if (ids.ndim > len(batch) + 1 or ids.ndim < 1 or ids.shape[-1] != length
+            or any(d not in (1, b) for d, b in zip(lead, batch, strict=True))):
+        raise ValueError(f"{name} must be an integer array broadcastable to {expected} "
+                         f"([*batch, L]), got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array {expected}, got dtype "
+                        f"{ids.dtype.name}")
+    ids = jnp.broadcast_to(ids.astype(jnp.int32), (*batch, length))
+    return ids.reshape(math.prod(batch), length)
+
+
 def attention_fn(
     query: jax.Array,
     key: jax.Array,
@@ -56,6 +76,8 @@ def attention_fn(
     precision: Any = None,
     module: Any = None,
     is_causal: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """``flax.nnx.dot_product_attention`` / ``flax.linen.dot_product_attention`` on the fused
     kernels: pass it as ``attention_fn=`` to ``nnx.MultiHeadAttention`` or
@@ -75,6 +97,12 @@ def attention_fn(
       module: must be None: sowing attention weights (``sow_weights=True``) needs the
         probabilities, which are never materialised (``NotImplementedError``).
       is_causal: top-left aligned causal mask (query ``i`` sees keys ``j <= i``), like Flax.
+      q_segment_ids, kv_segment_ids: optional integer, broadcastable to ``[*batch, Lq]`` and
+        ``[*batch, Lk]``, both or neither (not Flax's own arguments): query ``i`` sees key ``j``
+        only where their ids are equal (sequence packing), without an ``[Lq, Lk]`` mask. Flax's
+        attention modules do not pass extra arguments to their ``attention_fn``; call this
+        function directly, or bind the ids with ``functools.partial`` (or give those modules
+        the equivalent ``mask=nnx.make_attention_mask(q_ids, kv_ids, jnp.equal)``).
 
     Returns:
       ``[*batch, Lq, H, D]``. Same result as Flax's default, except that a query row with no
@@ -97,9 +125,11 @@ def attention_fn(
                          f"{value.shape}")
     q, k, v = (x.reshape((math.prod(batch), *x.shape[-3:])) for x in (query, key, value))
     mask = _fold_batch(mask, batch)
-    out = dot_product_attention(q, k, v, _fold_batch(bias, batch),
-                                None if mask is None else mask.astype(jnp.bool_),
-                                is_causal=is_causal)
+    out = dot_product_attention(
+        q, k, v, _fold_batch(bias, batch), None if mask is None else mask.astype(jnp.bool_),
+        is_causal=is_causal,
+        q_segment_ids=_fold_segment_ids(q_segment_ids, batch, q.shape[1], "q_segment_ids"),
+        kv_segment_ids=_fold_segment_ids(kv_segment_ids, batch, k.shape[1], "kv_segment_ids"))
     return out.reshape(batch + out.shape[1:])
 
 
@@ -113,10 +143,14 @@ class DynamicMaskAttention(nnx.Module):
     initialised to ones (upstream uses zeros, which makes the bias, and so the mask's choice of
     keys, uninformative until ``A`` has moved; with ones it ranks keys from the first step).
 
-    ``layer(x [B, L, hidden], positions=None) -> [B, L, hidden]``. After
+    ``layer(x [B, L, hidden], positions=None, segment_ids=None) -> [B, L, hidden]``. After
     ``layer.init_cache(batch, max_length)``, calls decode: each call appends its tokens' keys,
-    values and scores to the cache and attends over the filled prefix, giving the rows that a
-    full-sequence call would give for those positions.
+    values, scores (and segment ids) to the cache and attends over the filled prefix, giving
+    the rows that a full-sequence call would give for those positions.
+
+    Packed rows: ``segment_ids [B, L]`` makes each run of equal ids a document attended as if
+    alone (its own keys only, the top-``window`` of its own causal prefix, RoPE positions from
+    0); see ``jax_dmattn.layers.common`` for the cost (a dense ``[B, Hk, L, L]`` mask).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, window: int,
@@ -156,39 +190,68 @@ class DynamicMaskAttention(nnx.Module):
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cached_bias: nnx.Cache | None = nnx.data(None)
+        self.cached_segment_ids: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> None:
         """Allocates an empty KV cache: keys and values ``[batch_size, max_length, Hk, D]`` in
         `dtype` (default: the layer's dtype, else float32), scores ``[batch_size, Hk, 1,
-        max_length]`` float32, and the fill index. Later calls decode; together they may
-        append at most ``max_length`` tokens."""
+        max_length]`` float32, segment ids ``[batch_size, max_length]`` int32 (0: tokens cached
+        without ids count as segment 0) and the fill index. Later calls decode; together they
+        may append at most ``max_length`` tokens."""
         dtype = dtype or self.dtype or jnp.float32
         shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_bias = nnx.Cache(
             jnp.zeros((batch_size, self.num_kv_heads, 1, max_length), jnp.float32))
+        self.cached_segment_ids = nnx.Cache(jnp.zeros((batch_size, max_length), jnp.int32))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Args:
           x: ``[B, L, hidden]`` (with a cache: the ``L`` tokens that follow the cached ones).
           positions: int ``[B, L]`` or ``[L]`` for RoPE; default ``arange(L)``, or with a cache
-            the slots the tokens fill (``index .. index + L - 1``).
+            the slots the tokens fill (``index .. index + L - 1``); with `segment_ids`, each
+            token's index within its document (over the cache too: a document continued from
+            earlier calls goes on counting).
+          segment_ids: optional integer ``[B, L]`` (or ``[1, L]``), the document of each token
+            of a packed row (each run of equal ids is one document): a token sees only earlier
+            tokens of its document. With a cache they are stored beside the keys, so a
+            decoding call gives the new tokens' ids and sees the cached tokens of the same
+            document; a call without them attends over every filled slot.
 
         Returns:
           ``[B, L, hidden]``.
         """
-        start = 0 if self.cache_index is None else self.cache_index[...]
+        batch, length = x.shape[0], x.shape[1]
+        segment_ids = common.check_segment_ids(segment_ids, batch, length)
+        if self.cache_index is None:
+            q, k, v, bias = common.project(
+                x, positions, q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj,
+                dt_proj=self.dt_proj, a=self.A[...], num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                rope_theta=self.rope_theta, segment_ids=segment_ids)
+            return self.o_proj(common.attend(q, k, v, bias, self.window, self.implementation,
+                                             segment_ids))
+        start = self.cache_index[...]
+        zero = jnp.zeros((), jnp.int32)
+        kv_segment_ids = None
+        if segment_ids is not None:
+            # Stored first: a document that began in an earlier call sets these tokens'
+            # positions.
+            cached_ids = jax.lax.dynamic_update_slice(self.cached_segment_ids[...],
+                                                      segment_ids, (zero, start))
+            self.cached_segment_ids[...] = kv_segment_ids = cached_ids
+            if positions is None:
+                positions = jax.lax.dynamic_slice_in_dim(
+                    common.segment_positions(cached_ids), start, length, axis=1)
         q, k, v, bias = common.project(
             x, positions, q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj,
             dt_proj=self.dt_proj, a=self.A[...], num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
             offset=start)
-        if self.cache_index is None:
-            return self.o_proj(common.attend(q, k, v, bias, self.window, self.implementation))
-        zero = jnp.zeros((), jnp.int32)
         cache_dtype = self.cached_key[...].dtype
         for cache, new in ((self.cached_key, k), (self.cached_value, v)):
             cache[...] = jax.lax.dynamic_update_slice(
@@ -199,7 +262,8 @@ class DynamicMaskAttention(nnx.Module):
         self.cache_index[...] = end
         out = common.attend_cached(q.astype(cache_dtype), self.cached_key[...],
                                    self.cached_value[...], self.cached_bias[...], end,
-                                   self.window, self.implementation)
+                                   self.window, self.implementation, segment_ids,
+                                   kv_segment_ids)
         return self.o_proj(out)
 
 
@@ -208,7 +272,8 @@ class DynamicMaskAttentionLinen(linen.Module):
     names: ``q_proj``, ``k_proj``, ``v_proj``, ``dt_proj``, ``o_proj`` Dense kernels without
     bias, and ``A [Hk]`` initialised to ones; no KV cache).
 
-    ``layer.apply(variables, x [B, L, hidden], positions=None) -> [B, L, hidden]``.
+    ``layer.apply(variables, x [B, L, hidden], positions=None, segment_ids=None) -> [B, L,
+    hidden]``; ``segment_ids [B, L]`` as in :class:`DynamicMaskAttention` (packed rows).
 
     Attributes:
       hidden_size: model width (output features).
@@ -233,12 +298,16 @@ class DynamicMaskAttentionLinen(linen.Module):
     implementation: str | None = None
 
     @linen.compact
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """x: ``[B, L, hidden]``; positions: int ``[B, L]`` or ``[L]`` (default ``arange(L)``).
-        Returns ``[B, L, hidden]``."""
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x: ``[B, L, hidden]``; positions: int ``[B, L]`` or ``[L]`` (default ``arange(L)``,
+        with segment ids each token's index within its document); segment_ids: optional
+        integer ``[B, L]`` (or ``[1, L]``), one document per run of equal ids, each attended as
+        if alone. Returns ``[B, L, hidden]``."""
         num_kv_heads, head_dim = common.check_config(
             self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.window,
             self.rope)
+        segment_ids = common.check_segment_ids(segment_ids, x.shape[0], x.shape[1])
 
         def dense(features: int, name: str) -> linen.Dense:
             return linen.Dense(features, use_bias=False, dtype=self.dtype,
@@ -251,6 +320,6 @@ class DynamicMaskAttentionLinen(linen.Module):
             v_proj=dense(num_kv_heads * head_dim, "v_proj"),
             dt_proj=dense(num_kv_heads, "dt_proj"), a=a, num_heads=self.num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
-            rope_theta=self.rope_theta if self.rope else None)
-        out = common.attend(q, k, v, bias, self.window, self.implementation)
+            rope_theta=self.rope_theta if self.rope else None, segment_ids=segment_ids)
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids)
         return dense(self.hidden_size, "o_proj")(out)
