@@ -1,6 +1,7 @@
 """The Flax and Equinox front ends: ``jax_dmattn.flax.attention_fn`` against Flax's default
 attention, and the Dynamic Mask Attention layers (NNX, Linen, Equinox) against a plain-JAX float64
-implementation of the same layer, with gradients, jit and KV-cache decoding."""
+implementation of the same layer, with gradients, jit and KV-cache decoding; packed rows
+(segment ids) against each document run alone and against the float64 implementation."""
 
 from __future__ import annotations
 
@@ -111,16 +112,19 @@ B, L = 2, 24
 PARAM_NAMES = ("q_proj", "k_proj", "v_proj", "dt_proj", "o_proj")
 
 
-def brute_force_topk_mask(score: jax.Array, window: int) -> jax.Array:
+def brute_force_topk_mask(score: jax.Array, window: int,
+                          visible: jax.Array | None = None) -> jax.Array:
     """Causal top-`window` mask ``[..., L, L]`` of per-key scores ``[..., L]`` (ties to the lower
-    index), by ranking every key of every row: key ``j`` is kept in row ``i`` iff ``j <= i`` and
+    index), by ranking every key of every row: key ``j`` is kept in row ``i`` iff it is visible
+    (default ``j <= i``; else `visible` ``[..., L, L]``, e.g. causal and same document) and
     fewer than `window` visible keys beat it."""
     n = score.shape[-1]
     idx = jnp.arange(n)
-    visible = idx[None, :] <= idx[:, None]  # [i, j]
+    if visible is None:
+        visible = idx[None, :] <= idx[:, None]  # [i, j]
     sa, sb = score[..., :, None], score[..., None, :]  # key a beats key b
     beats = (sa > sb) | ((sa == sb) & (idx[:, None] < idx[None, :]))
-    rank = jnp.einsum("ia,...ab->...ib", visible.astype(jnp.int32), beats.astype(jnp.int32))
+    rank = jnp.matmul(visible.astype(jnp.int32), beats.astype(jnp.int32))  # [..., i, b]
     return visible & (rank < window)
 
 
@@ -132,9 +136,12 @@ def rope_reference(x: jax.Array, positions: jax.Array, theta: float) -> jax.Arra
     return jnp.concatenate([z.real, z.imag], axis=-1)
 
 
-def reference_layer(p: dict, x: jax.Array, window: int, rope: bool) -> jax.Array:
+def reference_layer(p: dict, x: jax.Array, window: int, rope: bool,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
     """The layer in plain JAX: dense float64 softmax attention with the same bias and mask.
-    `p` holds the kernels ``[in, out]`` under PARAM_NAMES and ``A [Hk]``."""
+    `p` holds the kernels ``[in, out]`` under PARAM_NAMES and ``A [Hk]``. With `segment_ids`
+    ``[B, L]`` (one distinct id per document), a token sees the earlier tokens of its own
+    document, keeps the top-`window` of them and has its index in the document as position."""
     x = x.astype(jnp.float64)
     p = {n: jnp.asarray(a, jnp.float64) for n, a in p.items()}
     b, n, _ = x.shape
@@ -143,11 +150,20 @@ def reference_layer(p: dict, x: jax.Array, window: int, rope: bool) -> jax.Array
     v = (x @ p["v_proj"]).reshape(b, n, HK, D)
     score = p["A"] * jax.nn.softplus(v.reshape(b, n, HK * D) @ p["dt_proj"])  # [B, L, Hk]
     score = jnp.swapaxes(score, 1, 2)  # [B, Hk, L]
+    idx = jnp.arange(n)
+    causal = idx[None, :] <= idx[:, None]  # [i, j]
+    if segment_ids is None:
+        pos, visible = idx.astype(jnp.float64), causal
+    else:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, i, j]
+        # ids are distinct per document: a token's position is its count of earlier same ids
+        pos = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=-1).astype(jnp.float64)
+        visible = (causal & same)[:, None]  # [B, 1, i, j]
     if rope:
-        pos = jnp.arange(n, dtype=jnp.float64)
         q, k = rope_reference(q, pos, 10000.0), rope_reference(k, pos, 10000.0)
     group = H // HK
-    mask = jnp.repeat(brute_force_topk_mask(jax.lax.stop_gradient(score), window), group, 1)
+    mask = brute_force_topk_mask(jax.lax.stop_gradient(score), window, visible)
+    mask = jnp.repeat(mask, group, 1)
     logits = (jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, 2)) / np.sqrt(D)
               + jnp.repeat(score, group, 1)[:, :, None, :])
     probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
@@ -316,3 +332,204 @@ def test_bad_configurations_raise():
         dma_eqx.DynamicMaskAttention(32, 4, window=0, key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="even head_dim"):
         dma_flax.DynamicMaskAttention(32, 4, head_dim=7, window=4, rngs=nnx.Rngs(0))
+
+
+# ---- packed rows: segment ids -----------------------------------------------------------------
+
+
+def packed_segment_ids(seed: int, length: int = L) -> np.ndarray:
+    """int32 ``[B, length]``: each row cut at random into 2-5 documents of random lengths (one
+    of length 1 somewhere, documents shorter and longer than the windows tested), each with
+    its own random id (ids need not be sorted or consecutive)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(B):
+        docs = rng.integers(2, 6)
+        cuts = np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [length]]))
+        ids = rng.choice(1000, docs, replace=False)
+        rows.append(np.repeat(ids, lengths))
+    rows[0][-1] = rows[0][-2] + 1  # a one-token document at the end of a row
+    return np.stack(rows).astype(np.int32)
+
+
+def documents(segment_ids: np.ndarray):
+    """``(b, start, end)`` of every document (run of equal ids) of every row."""
+    for b, row in enumerate(segment_ids):
+        starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))
+        for start, end in zip(starts, [*starts[1:], len(row)], strict=True):
+            yield b, int(start), int(end)
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("window", [4, L], ids=["window4", "windowL"])
+def test_packed_rows_match_documents_run_alone(window, rope):
+    """A packed row's output equals each document run through the layer alone, and the float64
+    implementation of documents in one row (jitted; fresh inputs and document cuts)."""
+    seed = 10 + window + 2 * rope
+    layer, x = make_nnx_layer(window, rope, seed=seed), layer_input(seed)
+    ids = packed_segment_ids(seed)
+    got = nnx.jit(lambda m, x, ids: m(x, segment_ids=ids))(layer, x, ids)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    ref = reference_output(nnx_params(layer), x, window, rope, ids)
+    assert_close("packed vs float64", got, ref, TOL_FP32)
+    for b, start, end in documents(ids):
+        alone = layer(x[b:b + 1, start:end])[0]
+        assert_close(f"row {b} document [{start}, {end})", got[b, start:end], alone, TOL_FP32)
+
+
+def test_packed_gradients_match_plain_jax_and_documents_alone():
+    """Gradients w.r.t. the parameters and the input: against the float64 implementation, and
+    the parameter gradients against the sum over documents each run alone."""
+    window = 5
+    layer, x, ids = make_nnx_layer(window, seed=3), layer_input(4), packed_segment_ids(5)
+    w = normal(x.shape, 6)
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x, w, ids):
+        return jnp.sum(nnx.merge(graphdef, state)(x, segment_ids=ids) * w)
+
+    g_state, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x, w, ids)
+    got = nnx_params(nnx.merge(graphdef, g_state))
+
+    def ref_loss(p, x):
+        return jnp.sum(reference_layer(p, x, window, True, jnp.asarray(ids)) * w)
+
+    ref_p, ref_x = reference_jit(jax.grad(ref_loss, argnums=(0, 1)))(
+        jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), nnx_params(layer)),
+        x.astype(jnp.float64))
+    assert set(got) == set(ref_p)
+    for name in ref_p:
+        assert_close(f"d{name}", got[name], ref_p[name], 1e-4)
+    assert_close("dx", g_x, ref_x, 1e-4)
+
+    alone = jax.jit(jax.grad(lambda state, x, w: loss(state, x, w, None)))
+    summed = None
+    for b, start, end in documents(ids):
+        g = nnx_params(nnx.merge(graphdef, alone(state, x[b:b + 1, start:end],
+                                                 w[b:b + 1, start:end])))
+        summed = g if summed is None else jax.tree.map(jnp.add, summed, g)
+    for name in ref_p:
+        assert_close(f"d{name} vs documents alone", got[name], summed[name], 1e-4)
+
+
+def test_packed_linen_and_equinox_twins_match_nnx():
+    """Same parameters, same packed input: Linen, Equinox (batched, and one row at a time under
+    vmap with ``[L]`` ids) give the NNX layer's outputs and parameter gradients."""
+    window = 6
+    layer, x, ids = make_nnx_layer(window, seed=7), layer_input(8), packed_segment_ids(9)
+    p = nnx_params(layer)
+    graphdef, state = nnx.split(layer)
+
+    def nnx_loss(state):
+        out = nnx.merge(graphdef, state)(x, segment_ids=ids)
+        return jnp.sum(out**2), out
+
+    want_grads, want = jax.jit(jax.grad(nnx_loss, has_aux=True))(state)
+    want_grads = nnx_params(nnx.merge(graphdef, want_grads))
+
+    linen_layer = dma_flax.DynamicMaskAttentionLinen(HIDDEN, H, window, num_kv_heads=HK,
+                                                     head_dim=D)
+
+    def linen_loss(variables):
+        out = linen_layer.apply(variables, x, segment_ids=ids)
+        return jnp.sum(out**2), out
+
+    grads, got = jax.jit(jax.grad(linen_loss, has_aux=True))(linen_variables(p))
+    assert_close("linen", got, want, TOL_FP32)
+    for n in (*PARAM_NAMES, "A"):
+        g = grads["params"][n] if n == "A" else grads["params"][n]["kernel"]
+        assert_close(f"linen d{n}", g, want_grads[n], TOL_FP32)
+
+    @eqx.filter_jit
+    def run(m):
+        def loss(m):
+            out = m(x, segment_ids=ids)
+            return jnp.sum(out**2), out
+
+        grads, out = eqx.filter_grad(loss, has_aux=True)(m)
+        return out, grads, jax.vmap(lambda x, ids: m(x, segment_ids=ids))(x, ids)
+
+    got, grads, got_vmap = run(equinox_layer(p, window))
+    assert_close("equinox", got, want, TOL_FP32)
+    assert_close("equinox vmap", got_vmap, want, TOL_FP32)
+    for n in PARAM_NAMES:
+        assert_close(f"equinox d{n}", getattr(grads, n).weight.T, want_grads[n], TOL_FP32)
+    assert_close("equinox dA", grads.A, want_grads["A"], TOL_FP32)
+
+
+@pytest.mark.parametrize("window", [3, 64], ids=["window3", "window64"])
+def test_packed_kv_cache_decoding_matches_full_sequence(window):
+    """Prefill and single-token calls with their segment ids (documents that start before, at
+    and after the prefill's end) give the rows of the full packed call."""
+    prefill = 8
+    # row 0: a document that straddles the prefill's end, a one-token one, one that starts in
+    # the decoding; row 1: the prefill inside one document
+    ids = np.stack([np.repeat([4, 9, 2, 7], [6, 5, 1, 12]),
+                    np.repeat([1, 3, 5, 6], [9, 3, 11, 1])]).astype(np.int32)
+    layer, x = make_nnx_layer(window, seed=11), layer_input(12)
+    full = layer(x, segment_ids=ids)
+    layer.init_cache(B, L + 3)
+    step = nnx.jit(lambda m, x, ids: m(x, segment_ids=ids))
+    outs = [step(layer, x[:, :prefill], ids[:, :prefill])]
+    outs += [step(layer, x[:, i:i + 1], ids[:, i:i + 1]) for i in range(prefill, L)]
+    assert int(layer.cache_index[...]) == L
+    np.testing.assert_array_equal(np.asarray(layer.cached_segment_ids[...])[:, :L], ids)
+    assert_close("all rows", jnp.concatenate(outs, axis=1), full, TOL_FP32)
+
+
+@pytest.mark.parametrize("batch", [(2,), (2, 3)])
+def test_attention_fn_with_segment_ids(batch):
+    """Segment ids (cross-attention lengths, broadcast over a batch dim) give Flax's attention
+    with the equivalent mask, and its causal variant."""
+    lq, lk, heads, kv_heads, dim = 10, 14, 4, 2, 8
+    rng = np.random.default_rng(13)
+    q = normal((*batch, lq, heads, dim), 14)
+    k = normal((*batch, lk, kv_heads, dim), 15)
+    v = normal((*batch, lk, kv_heads, dim), 16)
+    q_ids = np.sort(rng.integers(0, 3, (*batch, lq)), axis=-1)
+    kv_ids = rng.integers(0, 3, (1,) * (len(batch) - 1) + (batch[-1], lk))  # broadcast
+    kv_ids[..., :3] = [0, 1, 2]  # every query sees a key (Flax averages over empty rows)
+    kv_ids = np.sort(kv_ids, axis=-1)
+    mask = nnx.make_attention_mask(q_ids, np.broadcast_to(kv_ids, (*batch, lk)), jnp.equal)
+    ref = nnx.dot_product_attention(q, k, v, mask=mask)
+    got = dma_flax.attention_fn(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    assert_close("out", got, ref, TOL_FP32)
+    ids = np.sort(rng.integers(0, 3, (*batch, lq)), axis=-1)
+    ref = nnx.dot_product_attention(q[..., :lq, :, :], k[..., :lq, :, :], v[..., :lq, :, :],
+                                    mask=nnx.make_attention_mask(ids, ids, jnp.equal),
+                                    is_causal=True)
+    got = jax.jit(lambda q, k, v, ids: dma_flax.attention_fn(
+        q, k, v, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))(
+        q[..., :lq, :, :], k[..., :lq, :, :], v[..., :lq, :, :], ids)
+    assert_close("causal", got, ref, TOL_FP32)
+
+
+def test_bad_segment_ids_raise():
+    layer, x = make_nnx_layer(5), layer_input()
+    ids = packed_segment_ids(0)
+    with pytest.raises(ValueError, match=r"segment_ids must be .*shape \[2, 24\].*got shape "
+                                         r"\(2, 23\)"):
+        layer(x, segment_ids=ids[:, :-1])
+    with pytest.raises(ValueError, match="segment_ids"):
+        layer(x, segment_ids=ids[:, None])  # [B, 1, L]
+    with pytest.raises(TypeError, match="integer"):
+        layer(x, segment_ids=ids.astype(np.float32))
+    linen_layer = dma_flax.DynamicMaskAttentionLinen(HIDDEN, H, 5, num_kv_heads=HK, head_dim=D)
+    variables = linen_variables(nnx_params(layer))
+    with pytest.raises(ValueError, match="segment_ids"):
+        linen_layer.apply(variables, x, segment_ids=ids[:1, :-2])
+    eqx_layer = equinox_layer(nnx_params(layer), 5)
+    with pytest.raises(ValueError, match=r"segment_ids .* must be 1-D \[L\]"):
+        eqx_layer(x[0], segment_ids=ids)  # one sequence, batched ids
+    with pytest.raises(ValueError, match="segment_ids"):
+        eqx_layer(x, segment_ids=ids[0, :-1])
+    layer.init_cache(B, L)
+    with pytest.raises(ValueError, match="segment_ids"):
+        layer(x[:, :3], segment_ids=ids[:, :4])
+    q = normal((2, 6, 4, 8), 1)
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        dma_flax.attention_fn(q, q, q, q_segment_ids=np.zeros((2, 5), np.int32),
+                              kv_segment_ids=np.zeros((2, 6), np.int32))
+    with pytest.raises(ValueError, match="together"):
+        dma_flax.attention_fn(q, q, q, q_segment_ids=np.zeros((2, 6), np.int32))
