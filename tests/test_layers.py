@@ -18,6 +18,8 @@ from flax import linen, nnx  # noqa: E402
 
 from jax_dmattn import equinox as dma_eqx  # noqa: E402
 from jax_dmattn import flax as dma_flax  # noqa: E402
+from jax_dmattn import masks  # noqa: E402
+from jax_dmattn.layers import common  # noqa: E402
 
 # ---- attention_fn as Flax's attention_fn ------------------------------------------------------
 
@@ -359,6 +361,23 @@ def documents(segment_ids: np.ndarray):
         starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))
         for start, end in zip(starts, [*starts[1:], len(row)], strict=True):
             yield b, int(start), int(end)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_document_scores_choose_within_each_document(window):
+    """The dense mask the layers build for packed rows: with many tied scores and signed zeros,
+    each row keeps the top-`window` keys of its own document's causal prefix (ties to the lower
+    index), as a brute-force ranking over the visible keys gives."""
+    rng = np.random.default_rng(20 + window)
+    ids = jnp.asarray(packed_segment_ids(21 + window, length=40))
+    scores = rng.integers(-2, 3, (B, HK, 1, 40)).astype(np.float32)
+    scores[scores == 0] = np.where(rng.random((scores == 0).sum()) < 0.5, -0.0, 0.0)
+    mask = masks.topk_mask(common.document_scores(jnp.asarray(scores), ids), window,
+                           is_causal=True)
+    same = ids[:, None, :, None] == ids[:, None, None, :]  # [B, 1, L, L]
+    causal = jnp.tril(jnp.ones((40, 40), bool))
+    want = brute_force_topk_mask(jnp.asarray(scores[:, :, 0]), window, causal & same)
+    np.testing.assert_array_equal(np.asarray(mask & same), np.asarray(want))
 
 
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "norope"])
