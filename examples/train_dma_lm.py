@@ -3,12 +3,19 @@
     python examples/train_dma_lm.py                      # Flax NNX; defaults: ~40 s, 2 CPU cores
     python examples/train_dma_lm.py --framework equinox  # the same model from the Equinox layer
     python examples/train_dma_lm.py --steps 1500 --seq-len 128 --batch 32 --window 48
+    python examples/train_dma_lm.py --packed             # several documents per row
 
 The data is generated here, no download: every sequence is a short "motif" (4-12 tokens drawn
 from a fixed sparse Markov chain over the vocabulary) repeated to the sequence length. A model
 learns the chain's bigrams first (the loss falls from ln(vocab) to about 1 nat within ~150 steps),
 then to copy each motif's continuation from its previous period through attention (the loss goes
 below the bigram level after a few hundred steps, ~0.5 after 1500).
+
+With ``--packed`` each row instead packs several such documents of random lengths (4 to
+``seq-len / 2`` tokens, the last one cut to fit), each with its own motif, and the model gets
+their segment ids: every token attends causally within its own document only (its top-``window``
+keys chosen there), and its RoPE position counts from the document's start, so a packed row
+trains like its documents run one by one.
 
 Model: token embedding, ``--layers`` pre-norm blocks of (RMSNorm, Dynamic Mask Attention with
 RoPE, GQA and a causal top-``--window`` dynamic mask) and (RMSNorm, GELU MLP), a final RMSNorm
@@ -72,6 +79,34 @@ class MotifData:
         seqs = motif[np.arange(n)[:, None], pos[None, :] % period[:, None]]
         return seqs[:, :-1], seqs[:, 1:]
 
+    def packed_batch(self, n: int, rng: np.random.Generator,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of several documents: int32 ``inputs [n, L]``, ``targets [n, L]`` and
+        ``segment_ids [n, L]`` (0, 1, 2, ... along each row). A document of ``m`` tokens is the
+        first ``m`` of a :meth:`batch` sequence and its targets, so no target crosses into the
+        next document."""
+        length = self.seq_len
+        min_doc = min(4, length)
+        max_doc = max(min_doc, length // 2)
+        rows = []  # the document lengths of each row
+        for _ in range(n):
+            lengths: list[int] = []
+            while sum(lengths) < length:
+                lengths.append(min(int(rng.integers(min_doc, max_doc + 1)), length - sum(lengths)))
+            rows.append(lengths)
+        doc_inputs, doc_targets = self.batch(sum(map(len, rows)), rng)
+        inputs, targets = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
+        segment_ids = np.empty((n, length), np.int32)
+        doc = 0
+        for row, lengths in enumerate(rows):
+            start = 0
+            for segment, m in enumerate(lengths):
+                inputs[row, start:start + m] = doc_inputs[doc, :m]
+                targets[row, start:start + m] = doc_targets[doc, :m]
+                segment_ids[row, start:start + m] = segment
+                start, doc = start + m, doc + 1
+        return inputs, targets, segment_ids
+
 
 # ---- models -----------------------------------------------------------------------------------
 
@@ -89,13 +124,14 @@ class NNXBlock(nnx.Module):
         self.up = nnx.Linear(d, 4 * d, param_dtype=F32, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, param_dtype=F32, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids)
         return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
 
 class NNXLM(nnx.Module):
-    """Decoder-only LM: int ``tokens [B, L]`` -> float32 ``logits [B, L, vocab]``."""
+    """Decoder-only LM: int ``tokens [B, L]`` (and optionally their ``segment_ids [B, L]``,
+    packed documents) -> float32 ``logits [B, L, vocab]``."""
 
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, window: int,
                  implementation: str | None, rngs: nnx.Rngs):
@@ -104,10 +140,10 @@ class NNXLM(nnx.Module):
                                 for _ in range(layers)])
         self.norm = nnx.RMSNorm(d, param_dtype=F32, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, segment_ids)
         return self.embed.attend(self.norm(x))  # tied output head
 
 
@@ -131,15 +167,15 @@ class EqxBlock(eqx.Module):
         self.up = eqx.nn.Linear(d, 4 * d, dtype=F32, key=k_up)
         self.down = eqx.nn.Linear(4 * d, d, dtype=F32, key=k_down)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(jax.vmap(self.attn_norm)(x))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(jax.vmap(self.attn_norm)(x), segment_ids=segment_ids)
         hidden = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.mlp_norm)(x)))
         return x + jax.vmap(self.down)(hidden)
 
 
 class EqxLM(eqx.Module):
-    """The Equinox twin of :class:`NNXLM`: int ``tokens [L]`` -> ``logits [L, vocab]`` (vmap
-    it over the batch)."""
+    """The Equinox twin of :class:`NNXLM`: int ``tokens [L]`` (and optionally ``segment_ids
+    [L]``) -> ``logits [L, vocab]`` (vmap it over the batch)."""
 
     embed: eqx.nn.Embedding
     blocks: list[EqxBlock]
@@ -153,26 +189,28 @@ class EqxLM(eqx.Module):
         self.blocks = [EqxBlock(d, heads, kv_heads, window, implementation, k) for k in k_blocks]
         self.norm = eqx.nn.RMSNorm(d, use_bias=False, dtype=F32)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         x = self.embed.weight[tokens]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, segment_ids)
         return jax.vmap(self.norm)(x) @ self.embed.weight.T  # tied output head
 
 
-Apply = Callable[[Any, jax.Array], jax.Array]
+Apply = Callable[[Any, jax.Array, jax.Array | None], jax.Array]
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, Apply]:
-    """The model's parameters (a pytree) and ``apply(params, tokens [B, L]) -> logits``."""
+    """The model's parameters (a pytree) and ``apply(params, tokens [B, L], segment_ids [B, L]
+    or None) -> logits``."""
     sizes = dict(vocab=args.vocab, d=args.width, layers=args.layers, heads=args.heads,
                  kv_heads=args.kv_heads, window=args.window, implementation=args.implementation)
     if args.framework == "nnx":
         graphdef, params = nnx.split(NNXLM(**sizes, rngs=nnx.Rngs(args.seed)))
-        return params, lambda params, tokens: nnx.merge(graphdef, params)(tokens)
+        return params, lambda params, tokens, ids: nnx.merge(graphdef, params)(tokens, ids)
     model = EqxLM(**sizes, key=jax.random.PRNGKey(args.seed))
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    return params, lambda params, tokens: jax.vmap(eqx.combine(params, static))(tokens)
+    return params, lambda params, tokens, ids: jax.vmap(eqx.combine(params, static))(tokens,
+                                                                                        ids)
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -199,6 +237,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--packed", action="store_true",
+                        help="pack several documents of random lengths into each row and train "
+                             "with their segment ids (causal within each document)")
     parser.add_argument("--implementation", choices=("cuda", "cpu", "xla"), default=None,
                         help="flash_dmattn implementation (default: the best for the platform)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -226,30 +267,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     compute_dtype = jnp.dtype(args.dtype or ("bfloat16" if jax.default_backend() == "gpu"
                                              else "float32"))
 
-    def loss_fn(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    def loss_fn(params: Any, inputs: jax.Array, targets: jax.Array,
+                segment_ids: jax.Array | None = None) -> jax.Array:
         # mixed precision: float32 parameters, the model run in compute_dtype
-        logits = apply(jax.tree.map(lambda p: p.astype(compute_dtype), params), inputs)
+        logits = apply(jax.tree.map(lambda p: p.astype(compute_dtype), params), inputs,
+                       segment_ids)
         logits = logits.astype(F32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     @jax.jit
-    def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+    def train_step(params, opt_state, inputs, targets, segment_ids=None):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, segment_ids)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    # inputs, targets (and with --packed the segment ids), [batch, seq-len] each
+    make_batch = data.packed_batch if args.packed else data.batch
     eval_loss = jax.jit(loss_fn)
-    held_out = jax.device_put(data.batch(args.batch, np.random.default_rng(args.seed + 2)),
+    held_out = jax.device_put(make_batch(args.batch, np.random.default_rng(args.seed + 2)),
                               sharded)
     initial = float(eval_loss(params, *held_out))
     print(f"{args.framework}: {args.layers} layers, width {args.width}, heads {args.heads}/"
-          f"{args.kv_heads}, window {args.window}, seq-len {args.seq_len}, batch {args.batch}, "
+          f"{args.kv_heads}, window {args.window}, seq-len {args.seq_len}, batch {args.batch}"
+          f"{' (packed documents)' if args.packed else ''}, "
           f"{compute_dtype.name} on {mesh.size} device(s) ({jax.default_backend()}); initial "
           f"loss {initial:.4f} (ln vocab = {np.log(args.vocab):.4f})")
 
     t_train, loss = time.perf_counter(), jnp.nan
     for step in range(1, args.steps + 1):
-        batch = jax.device_put(data.batch(args.batch, rng), sharded)
+        batch = jax.device_put(make_batch(args.batch, rng), sharded)
         params, opt_state, loss = train_step(params, opt_state, *batch)
         if step == 1:  # the first step compiles; tokens/s counts the steps after it
             loss.block_until_ready()
