@@ -1,10 +1,12 @@
-// The mask block map (kernel_params.h: MaskBlockMap): one warp per 64 x 64 cell reads the cell's
-// mask bytes (16-byte loads where the mask allows), writes kTileAny | kTileAll and packs the
-// cell's rows to bits (8 bytes a row). One pass at full memory bandwidth, so the attention
-// kernels never scan empty mask tiles themselves, and the Hopper forward reads an eighth of the
-// mask's bytes. It is its own FFI call, so that under one jit the forward and the backward share
-// one map. Cells that causality or the window hide from every query are never looked at by the
-// kernels, so the pass skips their bytes (half of a causal mask) and writes zero bits.
+// The mask block map (kernel_params.h: MaskBlockMap): a CTA reads eight adjacent 64 x 64 cells
+// of one 64-row band (a warp a cell, 16-byte loads where the mask allows), writes each cell's
+// kTileAny | kTileAll and packs the cells' rows to bits (8 bytes a cell row) in shared memory,
+// from where the band's 64 bytes a row leave in whole 32-byte sectors. One pass at memory speed,
+// so the attention kernels never scan empty mask tiles themselves, and the Hopper forward reads
+// an eighth of the mask's bytes. It is its own FFI call, so that under one jit the forward and
+// the backward share one map. Cells that causality or the window hide from every query are never
+// looked at by the kernels, so the pass skips their bytes (half of a causal mask); their bits are
+// zero where a kernel tile may still cover them, else not written.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,72 +27,59 @@ struct MapBuild {
   const uint8_t* mask;
   uint8_t* cells;
   uint8_t* bits;
-  int64_t count;  // cells of the map
   int rows, cols;  // of one mask entry
   int cell_rows, cell_cols;  // of one map entry
+  int groups;  // CTAs of a band: ceil(cell_cols / kMapWarps)
   int bits_pitch;  // MaskBitsRowBytes(cols)
   bool vec;  // 16-byte loads: every row starts on 16 bytes
   detail::Band band;  // rows are queries, cols keys
 };
 
-constexpr int kMapWarps = 8;
+constexpr int kMapWarps = 8;  // cells of a CTA
 constexpr int kCellBitsBytes = kMaskMapCell / 8;  // bytes of bits per row of a cell
+constexpr int kBandBytes = kMapWarps * kCellBitsBytes;  // a CTA's bytes of a bits row
 static_assert(kMaskMapCell == 64, "a cell row's bits are one 8-byte word");
+static_assert(kBandBytes % 16 == 0, "bits rows leave in 16-byte stores");
+// The tallest kernel tile (rows) that reads bits: the Hopper forward's 192-row tile at D = 64.
+constexpr int kTallestTile = 192;
 
 // Bit i: byte i of x is not zero (i < 4).
 __device__ __forceinline__ uint32_t nonzero_bytes(uint32_t x) {
   return ((__vcmpne4(x, 0u) & 0x01010101u) * 0x01020408u) >> 24;
 }
 
-// Zero bits for columns [first_byte * 8, row_bytes * 8) of the cell's rows, 8 bytes at a time.
-__device__ __forceinline__ void zero_bits(uint8_t* bits, int pitch, int nr, int first_byte,
-                                          int row_bytes, int lane) {
-  const int words = (row_bytes - first_byte) / 8;
-  for (int i = lane; i < nr * words; i += 32) {
-    *reinterpret_cast<uint2*>(bits + (i / words) * pitch + first_byte + 8 * (i % words)) =
-        make_uint2(0u, 0u);
-  }
+// The key range [lo, hi) that any of rows [first, last] sees (empty: lo >= hi).
+__device__ __forceinline__ void visible_keys(const MapBuild& m, int first, int last, int64_t* lo,
+                                             int64_t* hi) {
+  *lo = static_cast<int64_t>(first) + m.band.dmin;
+  *hi = static_cast<int64_t>(last) + m.band.dmax + 1;
+  *lo = *lo < 0 ? 0 : *lo;
+  *hi = *hi > m.cols ? m.cols : *hi;
 }
 
-__global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
-    const __grid_constant__ MapBuild m) {
-  const int64_t cell = static_cast<int64_t>(blockIdx.x) * kMapWarps + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (cell >= m.count) return;  // whole warps only
-  const int64_t per_entry = static_cast<int64_t>(m.cell_rows) * m.cell_cols;
-  const int64_t entry = cell / per_entry;
-  const int rc = static_cast<int>(cell % per_entry);
-  const int r0 = rc / m.cell_cols * kMaskMapCell, c0 = rc % m.cell_cols * kMaskMapCell;
-  const int nr = min(kMaskMapCell, m.rows - r0), nc = min(kMaskMapCell, m.cols - c0);
-  const int cc = c0 / kMaskMapCell;
-  uint8_t* bits = m.bits + (entry * m.rows + r0) * m.bits_pitch + c0 / 8;
-  // The cell's bytes of each bits row: its own, and the row's padding after the last cell.
-  const int row_bytes = cc == m.cell_cols - 1 ? m.bits_pitch - c0 / 8 : kCellBitsBytes;
-  // the attention kernels' own key-block range of these rows (kernel_utils.cuh)
-  const detail::BlockRange seen = detail::visible_key_blocks<kMaskMapCell, kMaskMapCell>(
-      detail::SeqLens{m.rows, m.cols}, m.band, r0);
-  if (cc < seen.lo || cc >= seen.hi) {
-    zero_bits(bits, m.bits_pitch, nr, 0, row_bytes, lane);
-    if (lane == 0) m.cells[cell] = kTileAll;  // neutral in every tile test (block_map.cuh)
-    return;
-  }
-  zero_bits(bits, m.bits_pitch, nr, kCellBitsBytes, row_bytes, lane);
-  const uint8_t* base = m.mask + (entry * m.rows + r0) * m.cols + c0;
-
+// One cell's flags and its rows' bits, packed into the band's bits tile (row r: bytes
+// [8 w, 8 w + 8) of tile[r]): the warp's 64 x 64 bytes of the mask from base.
+__device__ __forceinline__ int pack_cell(const MapBuild& m, const uint8_t* base, int nr, int nc,
+                                         uint8_t (*tile)[kBandBytes], int w, int lane) {
   bool any = false, all = true;
   if (m.vec && nc == kMaskMapCell) {
     constexpr int kChunksPerRow = kMaskMapCell / 16;
     constexpr int kPerLane = kMaskMapCell * kChunksPerRow / 32;
+    uint4 v[kPerLane];
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {  // independent loads, all in flight at once
-      const int id = lane + 32 * k;
-      const int row = id / kChunksPerRow, chunk = id % kChunksPerRow;
+      const int id = lane + 32 * k, row = id / kChunksPerRow, chunk = id % kChunksPerRow;
+      v[k] = row < nr ? *reinterpret_cast<const uint4*>(base + row * m.cols + chunk * 16)
+                      : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int id = lane + 32 * k, row = id / kChunksPerRow, chunk = id % kChunksPerRow;
+      const uint32_t packed = nonzero_bytes(v[k].x) | nonzero_bytes(v[k].y) << 4 |
+                              nonzero_bytes(v[k].z) << 8 | nonzero_bytes(v[k].w) << 12;
+      *reinterpret_cast<uint16_t*>(&tile[row][w * kCellBitsBytes + chunk * 2]) =
+          static_cast<uint16_t>(packed);
       if (row < nr) {
-        const uint4 v = *reinterpret_cast<const uint4*>(base + row * m.cols + chunk * 16);
-        const uint32_t packed = nonzero_bytes(v.x) | nonzero_bytes(v.y) << 4 |
-                                nonzero_bytes(v.z) << 8 | nonzero_bytes(v.w) << 12;
-        *reinterpret_cast<uint16_t*>(bits + row * m.bits_pitch + chunk * 2) =
-            static_cast<uint16_t>(packed);
         any = any || packed != 0;
         all = all && packed == 0xffffu;
       }
@@ -98,22 +87,73 @@ __global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
     any = __any_sync(0xffffffffu, any);
     all = __all_sync(0xffffffffu, all);
   } else {  // a row's 32 columns at a time, packed by a ballot
-    for (int row = 0; row < nr; ++row) {
+    for (int row = 0; row < kMaskMapCell; ++row) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int col = 32 * half + lane;
         const unsigned word =
-            __ballot_sync(0xffffffffu, col < nc && base[row * m.cols + col] != 0);
+            __ballot_sync(0xffffffffu, row < nr && col < nc && base[row * m.cols + col] != 0);
         const unsigned cols_in = 32 * half >= nc ? 0u
                                  : nc - 32 * half >= 32 ? 0xffffffffu
                                                         : (1u << (nc - 32 * half)) - 1u;
-        if (lane == 0) *reinterpret_cast<uint32_t*>(bits + row * m.bits_pitch + 4 * half) = word;
-        any = any || word != 0;
-        all = all && word == cols_in;
+        if (lane == 0) {
+          *reinterpret_cast<uint32_t*>(&tile[row][w * kCellBitsBytes + 4 * half]) = word;
+        }
+        if (row < nr) {
+          any = any || word != 0;
+          all = all && word == cols_in;
+        }
       }
     }
   }
-  if (lane == 0) m.cells[cell] = any ? (kTileAny | (all ? kTileAll : 0)) : 0;
+  return any ? (kTileAny | (all ? kTileAll : 0)) : 0;
+}
+
+__global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
+    const __grid_constant__ MapBuild m) {
+  __shared__ __align__(16) uint8_t tile[kMaskMapCell][kBandBytes];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t band_index = blockIdx.x / m.groups;  // over entries x cell rows
+  const int group = static_cast<int>(blockIdx.x % m.groups);
+  const int64_t entry = band_index / m.cell_rows;
+  const int r0 = static_cast<int>(band_index % m.cell_rows) * kMaskMapCell;
+  const int nr = min(kMaskMapCell, m.rows - r0);
+  const int cc = group * kMapWarps + w, c0 = cc * kMaskMapCell;
+  // the attention kernels' own key-block range of these rows (kernel_utils.cuh)
+  const detail::BlockRange seen = detail::visible_key_blocks<kMaskMapCell, kMaskMapCell>(
+      detail::SeqLens{m.rows, m.cols}, m.band, r0);
+  if (cc < m.cell_cols) {
+    int flags = kTileAll;  // a hidden cell: neutral in every tile test (block_map.cuh)
+    if (cc >= seen.lo && cc < seen.hi) {
+      const uint8_t* base = m.mask + (entry * m.rows + r0) * m.cols + c0;
+      flags = pack_cell(m, base, nr, min(kMaskMapCell, m.cols - c0), tile, w, lane);
+    } else {
+      for (int row = lane; row < kMaskMapCell; row += 32) {
+        *reinterpret_cast<uint2*>(&tile[row][w * kCellBitsBytes]) = make_uint2(0u, 0u);
+      }
+    }
+    if (lane == 0) m.cells[band_index * m.cell_cols + cc] = static_cast<uint8_t>(flags);
+  } else {  // past the last cell: the row's padding
+    for (int row = lane; row < kMaskMapCell; row += 32) {
+      *reinterpret_cast<uint2*>(&tile[row][w * kCellBitsBytes]) = make_uint2(0u, 0u);
+    }
+  }
+  // A kernel tile that holds these rows reads their bits for every key block it sees; the bits
+  // no such tile reads are left unwritten.
+  int64_t lo, hi;
+  visible_keys(m, max(0, r0 + kMaskMapCell - kTallestTile), min(m.rows, r0 + kTallestTile) - 1, &lo,
+               &hi);
+  const int64_t group_lo = static_cast<int64_t>(group) * kMapWarps * kMaskMapCell;
+  if (lo >= hi || hi <= group_lo || lo >= group_lo + kMapWarps * kMaskMapCell) return;
+  __syncthreads();
+  const int first_byte = group * kBandBytes;
+  const int chunks = min(kBandBytes, m.bits_pitch - first_byte) / 16;  // per row
+  uint8_t* bits = m.bits + (entry * m.rows + r0) * m.bits_pitch + first_byte;
+  for (int i = threadIdx.x; i < nr * chunks; i += kMapWarps * 32) {
+    const int row = i / chunks, chunk = i % chunks;
+    *reinterpret_cast<uint4*>(bits + static_cast<int64_t>(row) * m.bits_pitch + 16 * chunk) =
+        *reinterpret_cast<const uint4*>(&tile[row][16 * chunk]);
+  }
 }
 
 int Cells(int64_t n) { return static_cast<int>((n + kMaskMapCell - 1) / kMaskMapCell); }
@@ -146,13 +186,14 @@ cudaError_t BuildMaskBlockMap(const bool* mask, int64_t entries, int64_t rows, i
   m.cols = static_cast<int>(cols);
   m.cell_rows = Cells(rows);
   m.cell_cols = Cells(cols);
-  m.count = entries * m.cell_rows * m.cell_cols;
-  if (m.count == 0) return cudaSuccess;
+  m.groups = (m.cell_cols + kMapWarps - 1) / kMapWarps;
+  const int64_t ctas = entries * m.cell_rows * m.groups;
+  if (ctas == 0) return cudaSuccess;
   if (mask == nullptr || cells == nullptr || bits == nullptr) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(bits) % 16 != 0) return cudaErrorMisalignedAddress;
   m.vec = cols % 16 == 0 && reinterpret_cast<uintptr_t>(mask) % 16 == 0;
   m.band = detail::make_band(rule);
-  const int64_t blocks = (m.count + kMapWarps - 1) / kMapWarps;
-  mask_block_map_kernel<<<static_cast<unsigned>(blocks), kMapWarps * 32, 0, stream>>>(m);
+  mask_block_map_kernel<<<static_cast<unsigned>(ctas), kMapWarps * 32, 0, stream>>>(m);
   return cudaGetLastError();
 }
 
