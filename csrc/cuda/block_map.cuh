@@ -47,7 +47,8 @@ struct MaskMapView {
 // finds the next one with a visible mask element. A warp loads the flags of 32 tiles at once
 // and keeps them (each lane its own tile's flags, and which of the 32 have any visible
 // element), so a walk waits for the map once per 32 tiles instead of at every step. Without a
-// mask every tile is visible.
+// mask every tile is visible. (`has_mask`: flags_of may hide tiles; the segment ids' walks of
+// segments.cuh set it with or without a mask.)
 template <int kStep, typename FlagsOf>
 class TileWalk {
   static_assert(kStep == 1 || kStep == -1, "walks go one tile at a time");

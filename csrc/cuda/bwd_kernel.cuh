@@ -24,6 +24,10 @@
 // issued as soon as P, then dS, exist; dQ goes through a shared-memory stage and leaves with one
 // bulk reduction per block (StagedDq).
 //
+// Segment ids (kSegments): the walk over query blocks also skips the blocks whose query ids
+// cannot meet the key block's ids, and blocks with more than one id compare the ids of each
+// score (segments.cuh).
+//
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
 // stored once; shapes whose entries are shared between CTAs -> fp32 atomics into a workspace.
@@ -34,6 +38,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/segments.cuh"
 #include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
@@ -225,7 +230,7 @@ __device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L, co
   }
 }
 
-template <typename Tr, typename T, bool kBias>
+template <typename Tr, typename T, bool kBias, bool kSegments>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
@@ -238,7 +243,12 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   // sm_90a with register fragments: phase B's GEMMs start inside phase A.
   constexpr bool kEarlyB = Tr::kWgmma && Tr::kRegFrags;
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  static_assert((BN + kStages * BM) * 4 <= kSegmentSmem, "the ids fit the segment prefix");
+  extern __shared__ __align__(128) uint8_t smem_base[];
+  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
+  // kSegments: the kv ids of the key block (this pair's batch entry), the q ids of each stage
+  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);
+  int32_t* sRowIds = sKeyIds + BN;
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
@@ -402,6 +412,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
                                  L.q_len - m0, tid);
       load_tile_async<BM, D, NT>(sdO + st * (Tr::kQBytes / 2), dog + m0 * q_rs, q_rs,
                                  L.q_len - m0, tid);
+      if constexpr (kSegments) {
+        load_ids_async<BM, NT>(sRowIds + st * BM, q_segment_row(p, b) + m0, L.q_len - m0, tid);
+      }
       for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < L.q_len;
         cp_async4(smem_u32(sLse + st * BM + r), ok ? lseg + m0 + r : lseg, ok ? 4 : 0);
@@ -415,9 +428,21 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       cp_async_commit();
     };
-    auto walk =
-        query_block_walk<BM, BN>(MaskMapView(p.mask_map, s, b, h), has_mask, n0, m_last);
+    auto walk = [&] {
+      const MaskMapView map(p.mask_map, s, b, h);
+      if constexpr (kSegments) {
+        const SegmentSpansView spans(p.segment_spans, s, b);
+        return segmented_query_block_walk<BM, BN>(map, has_mask, n0, m_last, spans,
+                                                  spans.keys<BN>(n0));
+      } else {
+        return query_block_walk<BM, BN>(map, has_mask, n0, m_last);
+      }
+    }();
     auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
+    if constexpr (kSegments) {  // read after the barrier of the pair's first block
+      load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
+      cp_async_commit();
+    }
 
     // First active query block; its mask tile (unless all true) loads with its other tiles.
     int flags;     // of block m
@@ -551,6 +576,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
               i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
           hidden |= static_cast<uint32_t>(!in) << element_bit(mt, t, e);
         });
+      }
+      if constexpr (kSegments) {
+        if (flags & kTileSegments) {
+          const int32_t* row_ids = sRowIds + stage * BM;
+          for_each_element<MA, NA>([&](int mt, int t, int e) {
+            const bool other = row_ids[query_of(t, e)] != sKeyIds[key_of(mt, e)];
+            hidden |= static_cast<uint32_t>(other) << element_bit(mt, t, e);
+          });
+        }
       }
       // S = softcap tanh(S / softcap); the dS factor 1 - tanh^2 parks in the dS tile until dS
       // replaces it (each thread reads back only what it wrote itself: no barrier).
@@ -1031,8 +1065,9 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
 // trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
-// call has a bias (without, none of the bias and dbias code takes registers from the GEMMs).
-template <typename Tr, typename T, bool kBias>
+// call has a bias (without, none of the bias and dbias code takes registers from the GEMMs);
+// kSegments: the call has segment ids (likewise).
+template <typename Tr, typename T, bool kBias, bool kSegments>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__)
@@ -1044,7 +1079,7 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   if constexpr (!kCompiled) {
     __trap();
   } else {
-    detail::bwd_main<Tr, T, kBias>(p);
+    detail::bwd_main<Tr, T, kBias, kSegments>(p);
   }
 }
 

@@ -1,6 +1,7 @@
 // Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
 // accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
-// shape.deterministic; the main backward kernel then skips its dQ phase.
+// shape.deterministic; the main backward kernel then skips its dQ phase. Segment ids
+// (kSegments) act as in the forward (segments.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/segments.cuh"
 
 namespace dmattn::cuda {
 
@@ -37,7 +39,7 @@ struct DqTraits {
   static constexpr int kSmem = kOffMask + kMaskTile;
 };
 
-template <typename Tr, typename T>
+template <typename Tr, typename T, bool kSegments>
 __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqParams dqp) {
   using namespace detail;
   using E = Elem<T>;
@@ -47,7 +49,10 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   using TileKV = SwizzledTile<BN, D>;
   const BwdParams& p = dqp.p;
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
+  extern __shared__ __align__(128) uint8_t smem_base[];
+  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
+  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // kSegments: block n's kv ids
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sdO = reinterpret_cast<T*>(smem + Tr::kOffdO);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -107,6 +112,17 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
                                L.kv_len - n * BN, tid);
   };
+  // V, bias, mask (unless all true) and kv ids (where they differ) of block n.
+  auto load_operands = [&](int n, int flags) {
+    load_kv(sV, vg, n);
+    if (has_bias) load_bias(n);
+    if (!(flags & kTileAll)) load_mask(n);
+    if constexpr (kSegments) {
+      if (flags & kTileSegments) {
+        load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
+      }
+    }
+  };
 
   load_tile_async<BM, D, NT>(sQ, qg, q_rs, valid_q, tid);
   load_tile_async<BM, D, NT>(sdO, dog, q_rs, valid_q, tid);
@@ -126,20 +142,32 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     lse2[half] = l == -INFINITY ? INFINITY : l * kLog2e;
     dsum[half] = d;
   }
+  int row_ids[2] = {0, 0};  // kSegments (rows past the length: hidden by the bounds test)
+  if constexpr (kSegments) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = m0 + row0 + half * 8;
+      if (i < L.q_len) row_ids[half] = __ldg(q_segment_row(p, b) + i);
+    }
+  }
 
   // A fresh walk at every step: one kept across steps takes registers this 255-register kernel
   // lacks (H200 harness, deterministic dense D=128 L4k backward: 8.32 ms kept, 8.26 fresh).
   const MaskMapView map(p.mask_map, s, b, h);
   auto next_block = [&](int n, int* flags) {
-    return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
+    if constexpr (kSegments) {
+      const SegmentSpansView spans(p.segment_spans, s, b);
+      return segmented_key_block_walk<BM, BN>(map, has_mask, m0, n_lo, spans, spans.rows<BM>(m0))
+          .next(n, flags);
+    } else {
+      return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
+    }
   };
   int flags;  // of block n
   int n = next_block(n_hi - 1, &flags);
   if (n >= n_lo) {
     load_kv(sK, kg, n);
-    load_kv(sV, vg, n);
-    if (has_bias) load_bias(n);
-    if (!(flags & kTileAll)) load_mask(n);
+    load_operands(n, flags);
     cp_async_commit();
   }
 
@@ -201,6 +229,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
     const bool mask_apply = !(flags & kTileAll);
+    const bool segments_apply = kSegments && (flags & kTileSegments);
     const bool capped = p.softcap > 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -219,6 +248,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
             const int dd = j - i;
             vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
           }
+          if (segments_apply) vis = vis && sKeyIds[c] == row_ids[half];
           float x = sc[t][2 * half + e];
           float tc = 0.f;
           if (capped) {
@@ -235,11 +265,9 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
 
     int next_flags;
     const int next = next_block(n - 1, &next_flags);
-    __syncthreads();  // V, bias and mask free
+    __syncthreads();  // V, bias, mask and ids free
     if (next >= n_lo) {
-      load_kv(sV, vg, next);
-      if (has_bias) load_bias(next);
-      if (!(next_flags & kTileAll)) load_mask(next);
+      load_operands(next, next_flags);
       cp_async_commit();
     }
 

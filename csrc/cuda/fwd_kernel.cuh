@@ -11,7 +11,9 @@
 // the key-block range; within it the mask block map names the next block with any true element
 // (all-false blocks cost no loads and no GEMMs), and all-true blocks skip the mask tile and the
 // per-element test. With split-KV each CTA walks one slice of the key blocks and leaves a partial
-// result for fwd_combine.cuh.
+// result for fwd_combine.cuh. With segment ids (kSegments) the walk also skips the blocks whose
+// key ids cannot meet the block's query ids, and blocks with more than one id compare the ids
+// of each score (segments.cuh).
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -23,6 +25,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/segments.cuh"
 #include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
@@ -171,7 +174,8 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 
 }  // namespace detail
 
-template <typename Tr, typename T>
+// kSegments: the call has segment ids (without, none of their code is compiled in).
+template <typename Tr, typename T, bool kSegments>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
   using E = Elem<T>;
@@ -180,7 +184,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   using TileQ = SwizzledTile<BM, D>;
   using TileKV = SwizzledTile<BN, D>;
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
+  extern __shared__ __align__(128) uint8_t smem_base[];
+  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
+  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // kSegments: block n's kv ids
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
@@ -247,20 +254,35 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
                                L.kv_len - n * BN, tid);
   };
-  // K, bias and (unless all true) mask of block n: one commit group.
+  // K, bias and (unless all true) mask of block n, and its kv ids where the ids differ: one
+  // commit group.
   auto load_block = [&](int n, int flags) {
     load_kv(sK, kg, n);
     if (has_bias) load_bias(n);
     if (!(flags & kTileAll)) load_mask(n);
+    if constexpr (kSegments) {
+      if (flags & kTileSegments) {
+        load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
+      }
+    }
     cp_async_commit();
   };
   const MaskMapView map(p.mask_map, s, b, h);
-  auto walk = key_block_walk<BM, BN>(map, has_mask, m0, n_lo);
+  auto make_walk = [&] {
+    if constexpr (kSegments) {
+      const SegmentSpansView spans(p.segment_spans, s, b);
+      return segmented_key_block_walk<BM, BN>(map, has_mask, m0, n_lo, spans,
+                                              spans.rows<BM>(m0));
+    } else {
+      return key_block_walk<BM, BN>(map, has_mask, m0, n_lo);
+    }
+  };
+  auto walk = make_walk();
   auto next_block = [&](int n, int* flags) {
     if constexpr (Tr::kSpareRegisters) {
       return walk.next(n, flags);
     } else {
-      return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
+      return make_walk().next(n, flags);
     }
   };
 
@@ -285,6 +307,16 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     row_l[r] = 0.f;
   }
   const int warp_row0 = warp * Tr::kRowsPerWarp;
+  // kSegments: the ids of this thread's rows (rows past the length: hidden by the bounds test)
+  int row_ids[kSegments ? 2 * MT : 1];
+  if constexpr (kSegments) {
+    const int32_t* ids = q_segment_row(p, b);
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) {
+      const int i = m0 + warp_row0 + (r >> 1) * 16 + g + (r & 1) * 8;
+      row_ids[r] = i < L.q_len ? __ldg(ids + i) : 0;
+    }
+  }
 
   // ---- main loop over visible, non-empty key blocks ----------------------------------------
   while (n >= n_lo) {
@@ -340,6 +372,16 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
         if (!in) sc[mt][t][e] = -INFINITY;
       });
+    }
+    if constexpr (kSegments) {
+      if (flags & kTileSegments) {
+        for_each_pair<MT, NTS>([&](int mt, int t, int half) {
+          const int2 key = *reinterpret_cast<const int2*>(sKeyIds + t * 8 + 2 * tq);
+          const int row = row_ids[2 * mt + half];
+          if (key.x != row) sc[mt][t][2 * half] = -INFINITY;
+          if (key.y != row) sc[mt][t][2 * half + 1] = -INFINITY;
+        });
+      }
     }
 
     int next_flags;

@@ -23,6 +23,18 @@ struct MaskBlockMap {
   int cols = 0;
 };
 
+// Ids per cell of the segment id spans.
+constexpr int kSegmentCell = 64;
+
+// The {min, max} of every kSegmentCell ids of each segment id row (segments.cuh), written by a
+// pass before the attention kernels: the `rows` rows of q ids ([rows][q_cells]), then those of
+// kv ids ([rows][kv_cells]). A row is the segments_batch offset of a batch entry.
+struct SegmentSpanLayout {
+  const int2* spans = nullptr;
+  int64_t rows = 0;
+  int q_cells = 0, kv_cells = 0;
+};
+
 struct FwdParams {
   AttentionShape s;
   const void* q;
@@ -33,6 +45,10 @@ struct FwdParams {
   const void* bias;     // null when absent
   const int32_t* q_lens;
   const int32_t* kv_lens;
+  // Null without segment ids: [segment rows, Lq] / [segment rows, Lk], and their spans.
+  const int32_t* q_segments;
+  const int32_t* kv_segments;
+  SegmentSpanLayout segment_spans;
   void* out;
   float* lse;
   bool out_f32;  // out is float32, else T
@@ -85,6 +101,9 @@ struct BwdParams {
   const void* bias;
   const int32_t* q_lens;
   const int32_t* kv_lens;
+  const int32_t* q_segments;  // as in FwdParams
+  const int32_t* kv_segments;
+  SegmentSpanLayout segment_spans;
   float* dq_accum;  // [*batch, Lq, H, D] fp32 (zeroed by the launcher)
   void* dk;
   void* dv;

@@ -129,6 +129,43 @@ void TakeBlockOrder(int64_t blocks, int64_t rest, uint8_t** workspace, int64_t* 
   *bytes -= order_bytes;
 }
 
+// The segment id rows of a call (ids of batch entries that share a row are read once) and the
+// layout of their spans; rows 0 without segment ids.
+SegmentSpanLayout SegmentSpans(const AttentionShape& s) {
+  SegmentSpanLayout l;
+  if (!s.has_segments) return l;
+  l.rows = 1;
+  for (int d = 0; d < s.batch.rank; ++d) {
+    if (s.segments_batch.strides[d] != 0) l.rows *= s.batch.sizes[d];
+  }
+  l.q_cells = static_cast<int>(CeilDiv(s.seqlen_q, kSegmentCell));
+  l.kv_cells = static_cast<int>(CeilDiv(s.seqlen_k, kSegmentCell));
+  return l;
+}
+
+// With segment ids: takes their spans from the front of `*workspace` (`*bytes` long), points
+// the params at the ids and the spans, and runs the spans pass on `stream`. Without: no ids.
+template <typename Params>
+cudaError_t TakeSegmentSpans(const AttentionShape& s, const int32_t* q_ids, const int32_t* kv_ids,
+                             uint8_t** workspace, int64_t* bytes, Params* p,
+                             cudaStream_t stream) {
+  p->q_segments = nullptr;
+  p->kv_segments = nullptr;
+  p->segment_spans = SegmentSpanLayout{};
+  if (!s.has_segments) return cudaSuccess;
+  const int64_t need = SegmentSpanBytes(s);
+  if (q_ids == nullptr || kv_ids == nullptr || *bytes < need) return cudaErrorInvalidValue;
+  p->q_segments = q_ids;
+  p->kv_segments = kv_ids;
+  p->segment_spans = SegmentSpans(s);
+  auto* spans = reinterpret_cast<int2*>(*workspace);
+  p->segment_spans.spans = spans;
+  *workspace += need;
+  *bytes -= need;
+  return BuildSegmentSpans(q_ids, kv_ids, s.seqlen_q, s.seqlen_k, p->segment_spans, spans,
+                           stream);
+}
+
 int64_t DbiasWorkspaceBytes(const AttentionShape& s) {
   return DbiasNeedsWorkspace(s) ? s.dbias.num_elements * static_cast<int64_t>(sizeof(float)) : 0;
 }
@@ -184,7 +221,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
   return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
-         s.seqlen_k > 0;
+         s.seqlen_k > 0 && !s.has_segments;  // segment ids: the FlashAttention-2-class kernel
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {
@@ -240,12 +277,19 @@ int64_t ForwardSplits(const AttentionShape& s) {
   return 1;
 }
 
-// The forward's workspace: [tile counter][query-block order][split partials].
+// In whole 256-byte units: the workspace after the spans stays aligned.
+int64_t SegmentSpanBytes(const AttentionShape& s) {
+  const SegmentSpanLayout l = SegmentSpans(s);
+  return CeilDiv(l.rows * (l.q_cells + l.kv_cells) * static_cast<int64_t>(sizeof(int2)), 256) *
+         256;
+}
+
+// The forward's workspace: [segment spans][tile counter][query-block order][split partials].
 constexpr int64_t kTileCounterBytes = 256;
 
 int64_t ForwardWorkspaceBytes(const AttentionShape& shape) {
   const int64_t splits = ForwardSplits(shape);
-  return kTileCounterBytes + BlockOrderBytes(QueryBlocks(shape)) +
+  return SegmentSpanBytes(shape) + kTileCounterBytes + BlockOrderBytes(QueryBlocks(shape)) +
          (splits > 1 ? splits * SplitBytes(shape) : 0);
 }
 
@@ -276,7 +320,7 @@ bool SupportsHeadDim(int64_t head_dim) {
 }
 
 int64_t BackwardWorkspaceBytes(const AttentionShape& shape) {
-  return BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
+  return SegmentSpanBytes(shape) + BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
@@ -308,10 +352,15 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
     return cudaErrorInvalidValue;
   }
   p.mask_map = MaskBlockMapLayout(p.s, args.mask_map, args.mask_bits);
-  // The workspace ([tile counter][block order][split partials]) was sized at trace time by the
-  // same rules; no counter, no order and fewer splits if it came out smaller.
+  // The workspace ([segment spans][tile counter][block order][split partials]) was sized at
+  // trace time by the same rules; no counter, no order and fewer splits if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
+  if (cudaError_t e = TakeSegmentSpans(shape, args.q_segments, args.kv_segments, &workspace,
+                                       &workspace_bytes, &p, stream);
+      e != cudaSuccess) {
+    return e;
+  }
   if (workspace_bytes >= kTileCounterBytes) {
     p.tile_counter = reinterpret_cast<int*>(workspace);
     workspace += kTileCounterBytes;
@@ -400,10 +449,15 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.kv_members = mem.members;
   p.kv_classes = mem.classes;
 
-  // Workspace 1 ([key-block order][dbias accumulator]) was sized at trace time by the same
-  // rules; no order if it came out smaller.
+  // Workspace 1 ([segment spans][key-block order][dbias accumulator]) was sized at trace time by
+  // the same rules; no order if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[1]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
+  if (cudaError_t e = TakeSegmentSpans(shape, args.q_segments, args.kv_segments, &workspace,
+                                       &workspace_bytes, &p, stream);
+      e != cudaSuccess) {
+    return e;
+  }
   const bool has_dbias = p.bias != nullptr && args.dbias != nullptr;
   const int64_t dbias_bytes = has_dbias ? DbiasWorkspaceBytes(shape) : 0;
   TakeBlockOrder(KeyBlocks(shape), dbias_bytes, &workspace, &workspace_bytes, &p.block_order,
@@ -419,8 +473,10 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
       if (workspace == nullptr || workspace_bytes < dbias_bytes) return cudaErrorInvalidValue;
     } else {
       p.dbias_mode = kDbiasDirect;
-      p.dbias_fill = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
-      p.dbias_staged = p.dbias_fill && p.dbias_op.row_stride % 8 == 0 &&
+      const bool full_rows = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
+      // The fill pass knows the tiles that the band and the mask skip, not the segment ids'.
+      p.dbias_fill = full_rows && !shape.has_segments;
+      p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }
   }

@@ -72,6 +72,11 @@ struct BwdLaunch {
 MaskBlockMap MaskBlockMapLayout(const AttentionShape& shape, const uint8_t* cells,
                                 const uint8_t* bits);
 
+// The spans pass of the segment ids (segments.cu): writes layout's spans (at `spans`) from the
+// id rows q_ids [rows, lq] and kv_ids [rows, lk].
+cudaError_t BuildSegmentSpans(const int32_t* q_ids, const int32_t* kv_ids, int64_t lq, int64_t lk,
+                              const SegmentSpanLayout& layout, int2* spans, cudaStream_t stream);
+
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);
 

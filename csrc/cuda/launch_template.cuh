@@ -47,8 +47,9 @@ inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
 // sm_80's 163 KB of shared memory.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTilesSm80 : BwdTiles<D, Main, NarrowTile> {
-  static_assert(Main::kSmem <= kSmemLimitSm80 && NarrowTile::kSmem <= kSmemLimitSm80,
-                "backward tiles must fit sm_80");
+  static_assert(Main::kSmem + kSegmentSmem <= kSmemLimitSm80 &&
+                    NarrowTile::kSmem + kSegmentSmem <= kSmemLimitSm80,
+                "backward tiles must fit sm_80, with the segment ids' prefix");
   static bool UseNarrow(const BwdLaunch& l) {
     return BackwardCtas(l, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors());
   }
@@ -80,6 +81,9 @@ template <>
 struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
                                      BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {
   static_assert(Traits::kFitsQueryBias && Narrow::kFitsQueryBias, "both tiles take any bias");
+  static_assert(Traits::kSmem + kSegmentSmem <= kSmemLimitSm90 &&
+                    Narrow::kSmem + kSegmentSmem <= kSmemLimitSm90,
+                "and segment ids");
   static bool UseNarrow(const BwdLaunch& l) {
     return BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
   }
@@ -161,11 +165,13 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
-  auto kernel = fwd_kernel<Tr, T>;
-  if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
+  const bool segments = p.q_segments != nullptr;
+  auto kernel = segments ? fwd_kernel<Tr, T, true> : fwd_kernel<Tr, T, false>;
+  const int prefix = segments ? kSegmentSmem : 0;  // the segment ids' tile
+  if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
-  const int smem =
-      p.mask != nullptr ? Tr::kSmem : (p.bias != nullptr ? Tr::kOffMask : Tr::kOffBias);
+  const int smem = prefix + (p.mask != nullptr ? Tr::kSmem
+                                               : (p.bias != nullptr ? Tr::kOffMask : Tr::kOffBias));
   kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.num_splits == 1) return e;
   const int64_t combine_blocks = (rows + kCombineWarps - 1) / kCombineWarps;
@@ -252,8 +258,12 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   // 3. main kernel: dk, dv, dbias (and dq through atomics)
   if (cudaError_t e = OrderKeyBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   {
-    auto kernel = p.bias != nullptr ? bwd_kernel<Tr, T, true> : bwd_kernel<Tr, T, false>;
-    const int smem = Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
+    const bool segments = p.q_segments != nullptr;
+    auto kernel = p.bias != nullptr
+                      ? (segments ? bwd_kernel<Tr, T, true, true> : bwd_kernel<Tr, T, true, false>)
+                      : (segments ? bwd_kernel<Tr, T, false, true> : bwd_kernel<Tr, T, false, false>);
+    const int smem = (segments ? kSegmentSmem : 0) +
+                     Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -277,9 +287,11 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     dp.dq = launch.dq;
     dp.m_blocks = static_cast<int>((s.seqlen_q + DqTr::BM - 1) / DqTr::BM);
     const int64_t blocks = static_cast<int64_t>(dp.m_blocks) * B * s.num_heads;
-    auto kernel = dq_kernel<DqTr, T>;
-    if (cudaError_t e = PrepareSmem(kernel, DqTr::kSmem); e != cudaSuccess) return e;
-    kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, DqTr::kSmem, stream>>>(dp);
+    const bool segments = p.q_segments != nullptr;
+    auto kernel = segments ? dq_kernel<DqTr, T, true> : dq_kernel<DqTr, T, false>;
+    const int smem = (segments ? kSegmentSmem : 0) + DqTr::kSmem;
+    if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
+    kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, smem, stream>>>(dp);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 
