@@ -45,8 +45,8 @@ def flash_dmattn(
       q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to
         int32; both or neither), for sequence packing: query ``i`` sees key ``j`` only where
         ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, and-ed with every other rule (causality,
-        mask, bias, GQA, softcap). No gradient. Not on ``implementation="cuda"`` yet (on a GPU,
-        ``None`` runs such calls through the pure-JAX reference, with a warning).
+        mask, bias, GQA, softcap). No gradient. The kernels skip the tiles whose ids cannot
+        meet.
       scale: logit scale, default ``1 / sqrt(D)``.
       is_causal: bottom-right aligned: key ``j`` is visible to query ``i`` iff
         ``j <= i + (Lk - Lq)``.
@@ -63,8 +63,7 @@ def flash_dmattn(
     validation.check_implementation(implementation)
     q, k, v = validation.check_qkv(query, key, value, implementation)
     dims = validation.dims_of(q, k)
-    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims,
-                                                           implementation)
+    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
@@ -136,8 +135,7 @@ def dot_product_attention(
         q_segment_ids, kv_segment_ids = (
             x if x is None or jnp.ndim(x) != 1 else jnp.expand_dims(jnp.asarray(x), 0)
             for x in (q_segment_ids, kv_segment_ids))
-    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims,
-                                                           implementation)
+    q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
     left, right = validation.check_window(local_window_size)
     if is_causal:
         right = 0

@@ -150,8 +150,8 @@ def check_seq_lengths(lengths, name: str, batch: int) -> jax.Array | None:
     return lengths
 
 
-def check_segment_ids(q_segment_ids, kv_segment_ids, dims: Dims,
-                      implementation: str | None = None) -> tuple[jax.Array | None, ...]:
+def check_segment_ids(q_segment_ids, kv_segment_ids,
+                      dims: Dims) -> tuple[jax.Array | None, ...]:
     """Sequence-packing segment ids: integer ``[B|1, Lq]`` and ``[B|1, Lk]``, both or neither.
 
     Returns them as int32 with one batch pattern (an id array of batch 1 is broadcast to the
@@ -165,11 +165,6 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, dims: Dims,
         raise ValueError(
             f"q_segment_ids and kv_segment_ids must be given together: got {given} without "
             f"{missing}")
-    if implementation == "cuda":
-        raise ValueError(
-            "implementation='cuda' cannot take q_segment_ids / kv_segment_ids: the CUDA kernels "
-            "do not read segment ids yet (issue 24); use implementation=None (on the GPU it runs "
-            "the pure-JAX reference for such calls) or implementation='xla'")
     ids = []
     for x, name, length, label in ((q_segment_ids, "q_segment_ids", dims.seqlen_q, "Lq"),
                                    (kv_segment_ids, "kv_segment_ids", dims.seqlen_k, "Lk")):

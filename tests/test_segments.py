@@ -3,8 +3,7 @@ sees key ``j`` only where their ids are equal, and-ed with every other rule.
 
 The oracle is independent of the library's segment code: the float64 ``xla`` implementation run
 on a dense ``[B, H, Lq, Lk]`` mask that holds the segment rule (and the case's own mask). The
-CPU kernels read the ids; the CUDA kernels do not yet (their calls run the reference, with a
-warning).
+CPU and the CUDA kernels read the ids (the GPU tests are marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -27,12 +26,14 @@ from conftest import (
     make_inputs,
     reference,
     reference_jit,
+    run_case,
+    tolerance,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_dmattn
-from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, ops
+from jax_dmattn import _ffi, dot_product_attention, flash_dmattn
 
 # ---- the oracle: a dense mask holding the segment rule ----------------------------------------
 
@@ -92,8 +93,8 @@ def test_cpu(case):
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[9:11], ids=cases_ids(CASES[:2] + CASES[9:11]))
 def test_default_implementation(case):
-    """implementation=None: the primitives, their custom_vjp and lowering (the kernels where they
-    read segment ids, else the reference)."""
+    """implementation=None: the primitives, their custom_vjp and lowering to the platform's
+    kernels."""
     inputs = make_inputs(case)
     check_case(case, None, inputs, dense_reference(case, inputs))
 
@@ -284,43 +285,39 @@ FAKE_BUILD = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
               "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
 
 
-def test_cuda_implementation_raises(monkeypatch):
-    """implementation="cuda" with segment ids: a ValueError at trace time (validation), even on a
-    build with the CUDA kernels."""
-    monkeypatch.setattr(_ffi, "build_info", lambda: FAKE_BUILD)
-    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
-    qs, ks = _ids()
-    for fn in (flash_dmattn, dot_product_attention):
-        with pytest.raises(ValueError) as info:
-            jax.eval_shape(lambda q, k, v, fn=fn: fn(q, k, v, q_segment_ids=qs,
-                                                     kv_segment_ids=ks, implementation="cuda"),
-                           q, k, v)
-        assert "segment ids" in str(info.value) and "issue 24" in str(info.value)
+def test_cuda_lowering_reads_segment_ids(monkeypatch):
+    """On the cuda platform a call with segment ids lowers to the CUDA kernels (no reference
+    fallback, no warning), implementation="cuda" included: the forward and backward FFI calls
+    get the ids after the lengths. Lowered for cuda on this machine with a fake CUDA build."""
+    calls = []
 
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
 
-def test_fallback_warning(monkeypatch):
-    """On the cuda platform a call with segment ids lowers to the reference: implementation=None
-    warns once, naming segment ids and issue 24; "cuda" raises; calls without ids keep the
-    kernels."""
-    from jax_dmattn.params import AttentionParams
-
+    monkeypatch.setattr(_ffi, "_call", fake_call)
     monkeypatch.setattr(_ffi, "build_info", lambda: FAKE_BUILD)
     monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
-    params = AttentionParams(scale=0.1)
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 16)
-    with pytest.warns(RuntimeWarning, match="segment ids") as record:
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 16, has_segments=True)
-    message = str(record[0].message)
-    assert "issue 24" in message and "reference" in message and "GPU" in message
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 16, has_segments=True)
-    with pytest.raises(ValueError, match="segment ids"):
-        ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
-                        16, has_segments=True)
-    # CPU: the kernels read them
-    assert ops.uses_kernel("cpu", params, jnp.float32, 16, has_segments=True)
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
+    qs, ks = _ids()
+    i32 = jnp.dtype(jnp.int32)
+    for fn in (flash_dmattn, dot_product_attention):
+        for implementation in (None, "cuda"):
+            calls.clear()
+
+            def loss(q, k, v, fn=fn, implementation=implementation):
+                return jnp.sum(fn(q, k, v, q_segment_ids=qs, kv_segment_ids=ks,
+                                  implementation=implementation).astype(jnp.float32))
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+                    lowering_platforms=("cuda",))
+            by_target = {target: (operands, attrs) for target, operands, attrs in calls}
+            assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
+            for operands, attrs in by_target.values():
+                assert operands[-2:] == [((B, LQ), i32), ((B, LK), i32)], operands
+                assert attrs["has_segments"] is True
 
 
 def test_ffi_operands_and_attributes(monkeypatch):
@@ -449,3 +446,73 @@ def test_vmap_one_length_mapped():
     got = jax.jit(jax.vmap(lambda *a: call(*a, "cpu")))(q, k, v, q_lens)
     ref = jax.vmap(lambda *a: call(*a, "xla"))(q, k, v, q_lens)
     assert_close("out", got, ref, 1e-5)
+
+
+# ---- the CUDA kernels (GPU only) ---------------------------------------------------------------
+
+GPU_CASES = [
+    # packed documents (monotone ids) over several tiles, causal and not, irregular lengths
+    Case(B=2, Lq=300, Lk=300, H=4, Hk=2, D=128, dtype="bfloat16", segments="packed",
+         causal=True),
+    Case(B=2, Lq=257, Lk=700, H=4, Hk=4, D=64, dtype="float16", segments="packed"),
+    Case(B=1, Lq=1100, Lk=1100, H=2, Hk=1, D=128, dtype="bfloat16", segments="packed",
+         causal=True, bias=("B", "H", "Lq", "Lk")),
+    # with a mask, a per-key bias, GQA; one packing for the whole batch; orphan query ids
+    Case(B=2, Lq=190, Lk=230, H=8, Hk=2, D=64, dtype="bfloat16", segments="packed",
+         mask=("B", "Hk", "Lq", "Lk"), bias=("B", "H", "1", "Lk")),
+    Case(B=3, Lq=129, Lk=129, H=4, Hk=1, D=32, dtype="bfloat16", segments="shared",
+         causal=True, bias=("1", "1", "Lq", "Lk")),
+    Case(B=2, Lq=170, Lk=200, H=4, Hk=2, D=128, dtype="float16", segments="orphans",
+         bias=("B", "H", "Lq", "Lk"), softcap=20.0),
+    # sequence lengths and a window (dot_product_attention), and decoding with split keys
+    Case(B=3, Lq=150, Lk=400, H=4, Hk=2, D=96, dtype="bfloat16", segments="packed",
+         front_end="dpa", q_lens=(150, 77, 0), kv_lens=(400, 120, 33),
+         bias=("B", "1", "Lq", "Lk")),
+    Case(B=2, Lq=200, Lk=200, H=4, Hk=2, D=256, dtype="bfloat16", segments="packed",
+         front_end="dpa", causal=True, window=(40, 10)),
+    Case(B=2, Lq=1, Lk=4000, H=8, Hk=2, D=128, dtype="bfloat16", segments="packed"),
+]
+
+
+def _nonmonotone(case: Case, inputs: dict) -> dict:
+    """The case's ids permuted over positions: spans of every tile overlap, so no tile is skipped
+    and every score is compared."""
+    rng = np.random.default_rng(case.seed + 1)
+    inputs = dict(inputs)
+    for name in ("q_seg", "kv_seg"):
+        ids = inputs[name]
+        inputs[name] = np.stack([rng.permutation(row) for row in ids]).astype(np.int32)
+    return inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=cases_ids(GPU_CASES))
+def test_cuda(case):
+    """The CUDA kernels (forward and gradients, dbias included) against the float64 reference."""
+    inputs = make_inputs(case)
+    check_case(case, "cuda", inputs, dense_reference(case, inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[:4], ids=cases_ids(GPU_CASES[:4]))
+def test_cuda_nonmonotone_ids(case):
+    inputs = _nonmonotone(case, make_inputs(case))
+    check_case(case, "cuda", inputs, dense_reference(case, inputs))
+
+
+@pytest.mark.gpu
+def test_cuda_deterministic():
+    """deterministic=True: the dq kernel reads the ids too; gradients bitwise equal run to run."""
+    case = GPU_CASES[0]
+    inputs = make_inputs(case)
+    ref = dense_reference(case, inputs)
+    got = [run_case(case, inputs, "cuda", case.dtype, np.isfinite(ref["lse"]),
+                    deterministic=True) for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        assert_close(name, got[0][name], ref[name], tolerance(case.dtype, name))
+        np.testing.assert_array_equal(got[0][name], got[1][name])
+
+
+@pytest.mark.gpu
+def test_build_info_reports_cuda_segments():
+    assert _ffi.build_info()["cuda_segments"] is True

@@ -23,10 +23,6 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: no CUDA kernel compiled for head dim " +
                           std::to_string(shape.head_dim));
   }
-  if (shape.has_segments) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not read segment ids yet (issue 24)");
-  }
   if (shape.mask.present && (mask_map == nullptr || mask_bits == nullptr)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: a CUDA call with a mask needs its mask_map and mask_bits "

@@ -53,13 +53,14 @@ nb::dict BuildInfo() {
   nb::dict info;
   // The FFI API version the handlers were compiled against: a jaxlib older than it refuses them.
   info["xla_ffi_api"] = std::vector<int>{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
-  info["segments"] = true;  // the CPU kernels read segment ids (the CUDA ones do not yet)
+  info["segments"] = true;  // the CPU kernels read segment ids
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};
   info["cuda_archs"] = std::string(DMATTN_CUDA_ARCHS);
   info["cuda_dtypes"] = std::string(DMATTN_CUDA_DTYPES);
   info["mask_map_cell"] = dmattn::kMaskMapCell;
+  info["cuda_segments"] = true;  // so do the CUDA kernels
 #else
   info["cuda"] = false;
   info["cuda_head_dims"] = std::vector<int>{};
@@ -98,11 +99,25 @@ void ThrowOnError(const xla::ffi::Error& e) {
   if (e.failure()) throw std::invalid_argument(e.message());
 }
 
-// Bytes of the CUDA backward's workspace 1 (the key-block order, a dbias accumulator when one is
-// needed) for a call with these shapes; `bias` and `dbias` empty for a call without a bias.
+using OptionalDims = std::optional<std::vector<int64_t>>;
+
+// The segment id operands of a shape-only call (int32 [*batch|1, Lq] and [*batch|1, Lk]), when
+// given.
+bool AddSegments(ShapeOnlyBuffers& b, dmattn::Buffers& args, const OptionalDims& q_segments,
+                 const OptionalDims& kv_segments) {
+  if (!q_segments || !kv_segments) return false;
+  args.push_back(b.Add(*q_segments, XLA_FFI_DataType_S32));
+  args.push_back(b.Add(*kv_segments, XLA_FFI_DataType_S32));
+  return true;
+}
+
+// Bytes of the CUDA backward's workspace 1 (the segment id spans, the key-block order, a dbias
+// accumulator when one is needed) for a call with these shapes; `bias` and `dbias` empty for a
+// call without a bias.
 int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
-                                   std::vector<int64_t> dbias) {
+                                   std::vector<int64_t> dbias, OptionalDims q_segments,
+                                   OptionalDims kv_segments) {
   ShapeOnlyBuffers b;
   const bool has_bias = !bias.empty();
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16),
@@ -113,27 +128,30 @@ int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> 
     args.push_back(b.Add(bias, XLA_FFI_DataType_BF16));
     rets.push_back(b.Add(dbias, XLA_FFI_DataType_BF16));
   }
+  const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
   rets.push_back(lseb);
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, has_bias, false, false};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, has_bias, false, has_segments};
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
   ThrowOnError(dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs));
   return dmattn::cuda::BackwardWorkspaceBytes(shape);
 }
 
-using OptionalDims = std::optional<std::vector<int64_t>>;
-
-// The shape a CUDA forward call with these q and k (and mask and bias) shapes decodes to.
+// The shape a CUDA forward call with these q and k (and mask, bias and segment id) shapes
+// decodes to.
 dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
-                                    const OptionalDims& mask = {}, const OptionalDims& bias = {}) {
+                                    const OptionalDims& mask = {}, const OptionalDims& bias = {},
+                                    const OptionalDims& q_segments = {},
+                                    const OptionalDims& kv_segments = {}) {
   ShapeOnlyBuffers b;
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
   dmattn::Buffers args = {qb, kb, kb};
   if (mask) args.push_back(b.Add(*mask, XLA_FFI_DataType_PRED));
   if (bias) args.push_back(b.Add(*bias, XLA_FFI_DataType_BF16));
+  const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
   dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, mask.has_value(), bias.has_value(), false,
-                               false};
+                               has_segments};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;
   ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
@@ -141,12 +159,13 @@ dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::ve
 }
 
 // Key splits of the CUDA forward on the current device, and the bytes of its workspace 0 (the
-// query-block order and the splits' partial results).
+// segment id spans, the query-block order and the splits' partial results).
 int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
   return dmattn::cuda::ForwardSplits(ForwardShape(q, k));
 }
-int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k) {
-  return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k));
+int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
+                                  OptionalDims q_segments, OptionalDims kv_segments) {
+  return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k, {}, {}, q_segments, kv_segments));
 }
 
 // The forward kernel a CUDA call with these shapes runs on the current device.
@@ -176,12 +195,16 @@ NB_MODULE(_dmattn, m) {
   m.def("build_info", &BuildInfo, "Facts about the compiled kernels.");
 #if defined(DMATTN_WITH_CUDA)
   m.def("cuda_backward_workspace_bytes", &CudaBackwardWorkspaceBytes, "q"_a, "k"_a, "dk"_a,
-        "bias"_a, "dbias"_a,
-        "Bytes of the CUDA backward's workspace 1 (key-block order, dbias accumulator).");
+        "bias"_a, "dbias"_a, "q_segments"_a.none() = nb::none(),
+        "kv_segments"_a.none() = nb::none(),
+        "Bytes of the CUDA backward's workspace 1 (segment id spans, key-block order, dbias "
+        "accumulator).");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
-        "Bytes of the CUDA forward's workspace (query-block order, split-KV partials).");
+        "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
+        "Bytes of the CUDA forward's workspace (segment id spans, query-block order, split-KV "
+        "partials).");
   m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "mask"_a.none(),
         "bias"_a.none(),
         "The CUDA forward kernel for these shapes on the current device: 'hopper', 'flash2' "

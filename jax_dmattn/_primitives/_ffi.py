@@ -173,7 +173,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     workspaces = None
     if platform == "cuda":
         extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
-        workspaces = _cuda_forward_workspaces
+        workspaces = _cuda_forward_workspaces(opts)
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
 
@@ -253,13 +253,27 @@ def call_sum_listed_keys(grad, slots, spans):
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
-# slots are fixed (forward: query-block order and split-KV partials; backward: dq accumulator,
-# then key-block order and dbias accumulator), so an unused one still takes a single element.
+# slots are fixed (forward: segment id spans, query-block order and split-KV partials; backward:
+# dq accumulator, then segment id spans, key-block order and dbias accumulator), so an unused one
+# still takes a single element.
 
 
-def _cuda_forward_workspaces(arg_shapes, result_shapes):
-    n = _extension().cuda_forward_workspace_bytes(arg_shapes[0], arg_shapes[1])
-    return [((max(n, 1),), np.uint8)]
+def _segment_shapes(opts, arg_shapes, first_extra: int) -> tuple:
+    """The merged shapes of the segment id operands (None, None without them); the optional
+    operands start at ``arg_shapes[first_extra]``."""
+    if not opts.has_segments:
+        return None, None
+    at = first_extra + int(opts.has_mask) + int(opts.has_bias) + 2 * int(opts.has_seqlens)
+    return arg_shapes[at], arg_shapes[at + 1]
+
+
+def _cuda_forward_workspaces(opts):
+    def workspaces(arg_shapes, result_shapes):
+        n = _extension().cuda_forward_workspace_bytes(arg_shapes[0], arg_shapes[1],
+                                                      *_segment_shapes(opts, arg_shapes, 3))
+        return [((max(n, 1),), np.uint8)]
+
+    return workspaces
 
 
 def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> int:
@@ -296,7 +310,8 @@ def _cuda_backward_workspaces(opts, num_grads: int):
         if opts.has_bias:
             bias = arg_shapes[7 + int(opts.has_mask)]
             dbias = result_shapes[num_grads - 1]
-        n = _extension().cuda_backward_workspace_bytes(q, k, dk, bias, dbias)
+        n = _extension().cuda_backward_workspace_bytes(q, k, dk, bias, dbias,
+                                                       *_segment_shapes(opts, arg_shapes, 7))
         return [((max(n, 1),), np.uint8)]
 
     return workspaces

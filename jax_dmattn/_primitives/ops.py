@@ -14,8 +14,7 @@ batch dims and dbias has the bias's shape with full vmap dims.
 
 Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
 bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
-pure-JAX reference (also for calls with segment ids on a GPU: the CUDA kernels do not read them
-yet). The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
+pure-JAX reference. The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
 sharded; sharding builds on this module, so it hands them over (:func:`register_lowerings`) when
 it is imported, which the package's ``__init__`` does.
 """
@@ -188,17 +187,10 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     return None
 
 
-# Why a GPU call with segment ids runs the reference (the CUDA kernels do not read them yet).
-SEGMENTS_ON_CUDA = "the CUDA kernels do not read segment ids yet (issue 24)"
-SEGMENTS_FIX = "Calls without q_segment_ids / kv_segment_ids run the CUDA kernels."
-
-
-def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
-                has_segments: bool = False) -> bool:
+def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or for a call with segment ids, which the CUDA kernels do not
-    read yet), implementation="cuda" raises and None warns once per reason (then runs the
-    pure-JAX reference)."""
+    without a kernel for the call, implementation="cuda" raises and None warns once per reason
+    (then runs the pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -209,8 +201,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
     if platform != "cuda":
         return False
     missing = _missing_cuda_kernel(dtype, head_dim)
-    if missing is None and has_segments:
-        missing = (SEGMENTS_ON_CUDA, SEGMENTS_FIX)
     if missing is not None:
         reason, fix = missing
         if requested == "cuda":
@@ -244,7 +234,7 @@ def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
 def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
-        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_segments):
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1]):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)
