@@ -126,6 +126,12 @@ struct Case {
   bool deterministic = false;
   bool dlse = false;
   float qk_std = 1.f;
+  // Segment ids (0 documents: none): packed documents of random lengths (monotone ids), ids
+  // drawn at random per position (seg_random: every tile's spans overlap), one id row for the
+  // whole batch (seg_shared); seg_orphans: some query ids that no key has; seg_even: documents
+  // of equal length.
+  int seg_docs = 0;
+  bool seg_random = false, seg_shared = false, seg_orphans = false, seg_even = false;
 };
 
 int64_t Prod(const std::vector<int64_t>& v) {
@@ -158,6 +164,7 @@ struct Problem {
   std::vector<uint8_t> mask;
   std::vector<float> dlse;
   std::vector<int32_t> q_lens, kv_lens;
+  std::vector<int32_t> q_seg, kv_seg;  // [segment rows, Lq] / [segment rows, Lk]
 };
 
 BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<int64_t>* bdims,
@@ -175,6 +182,50 @@ BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<i
   op.num_elements = Prod(*bdims) * sp.heads * rows * cols;
   *elems = op.num_elements;
   return op;
+}
+
+// Ids 0..docs-1 of `len` positions: packed documents (sorted, at random boundaries, the first of
+// length 1 where possible; equal lengths with `even`), or drawn at random per position.
+std::vector<int32_t> Packing(std::mt19937_64& rng, int64_t len, int docs, bool random, bool even) {
+  std::vector<int32_t> ids(len);
+  if (random) {
+    for (auto& x : ids) x = static_cast<int32_t>(rng() % docs);
+    return ids;
+  }
+  std::vector<int64_t> starts = {0};
+  if (even) {
+    for (int d = 1; d < docs; ++d) starts.push_back(len * d / docs);
+  } else {
+    if (docs > 1 && len > 1) starts.push_back(1);
+    while (static_cast<int>(starts.size()) < docs && static_cast<int64_t>(starts.size()) < len) {
+      const int64_t cut = 1 + static_cast<int64_t>(rng() % (len - 1));
+      if (std::find(starts.begin(), starts.end(), cut) == starts.end()) starts.push_back(cut);
+    }
+    std::sort(starts.begin(), starts.end());
+  }
+  for (int64_t i = 0, d = 0; i < len; ++i) {
+    while (d + 1 < static_cast<int64_t>(starts.size()) && i >= starts[d + 1]) ++d;
+    ids[i] = static_cast<int32_t>(d);
+  }
+  return ids;
+}
+
+void MakeSegments(const Case& c, std::mt19937_64& rng, Problem* P) {
+  AttentionShape& s = P->s;
+  s.has_segments = true;
+  const std::vector<int64_t> rows_dims =
+      c.seg_shared ? std::vector<int64_t>(c.batch.size(), 1) : c.batch;
+  s.segments_batch = Strides(rows_dims, 1);
+  for (int64_t r = 0; r < Prod(rows_dims); ++r) {
+    std::vector<int32_t> q = Packing(rng, c.Lq, c.seg_docs, c.seg_random, c.seg_even);
+    const std::vector<int32_t> k = Packing(rng, c.Lk, c.seg_docs, c.seg_random, c.seg_even);
+    if (c.seg_orphans) {  // a whole document and a single row of ids no key has
+      for (int64_t i = 0; i < std::max<int64_t>(1, c.Lq / 5); ++i) q[i] = 100 + static_cast<int32_t>(r);
+      q[c.Lq - 1] = -7;
+    }
+    P->q_seg.insert(P->q_seg.end(), q.begin(), q.end());
+    P->kv_seg.insert(P->kv_seg.end(), k.begin(), k.end());
+  }
 }
 
 Problem Build(const Case& c, uint64_t seed, bool fast = false) {
@@ -276,6 +327,7 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
     P.q_lens = c.q_lens;
     P.kv_lens = c.kv_lens;
   }
+  if (c.seg_docs > 0) MakeSegments(c, rng, &P);
   return P;
 }
 
@@ -323,6 +375,9 @@ Ref Reference(const Problem& P) {
     const int64_t bo = s.bias.present ? s.bias.offset(s.batch, b, h) : 0;
     const int64_t dbo = s.bias.present ? s.dbias.offset(s.batch, b, h) : 0;
     const int64_t dkvo = s.dkv_offset(b, hk);
+    const int64_t seg_row = s.has_segments ? s.segments_batch.offset(s.batch, b) : 0;
+    const int32_t* q_seg = s.has_segments ? P.q_seg.data() + seg_row * Lq : nullptr;
+    const int32_t* kv_seg = s.has_segments ? P.kv_seg.data() + seg_row * Lk : nullptr;
     std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0);
     std::vector<std::pair<int64_t, double>> db_l;
     std::vector<double> sc(Lk), p(Lk), tt(Lk), dp(Lk);
@@ -338,6 +393,7 @@ Ref Reference(const Problem& P) {
         if (s.window_right >= 0 && d > s.diagonal_offset + s.window_right) v = false;
         if (v && s.mask.present)
           v = P.mask[mo + i * s.mask.row_stride + j * s.mask.col_stride] != 0;
+        if (v && q_seg != nullptr) v = q_seg[i] == kv_seg[j];
         vis[j] = v;
         if (!v) continue;
         const double* kj = &kd[kvo + j * s.kv_row_stride()];
@@ -493,6 +549,7 @@ struct Buffers {
   uint8_t *mask, *mask_map, *mask_bits;
   float* dlse;
   int32_t *ql, *kl;
+  int32_t *qs, *ks;  // segment ids
 };
 
 struct FwdOut {
@@ -525,7 +582,8 @@ float MeanMs(Launch launch, int reps) {
   return ms / reps;
 }
 
-// `workspace`: give the forward its workspace (without it, it runs unsplit and in plain order).
+// `workspace`: give the forward its workspace (without it, it runs unsplit and in plain order;
+// segment ids still get their spans).
 FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps,
                         bool workspace = true) {
   const AttentionShape& s = P.s;
@@ -542,9 +600,12 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.bias = in.bias;
   fa.q_lens = in.ql;
   fa.kv_lens = in.kl;
+  fa.q_segments = in.qs;
+  fa.kv_segments = in.ks;
   fa.out = f.out;
   fa.lse = f.lse;
-  const int64_t workspace_bytes = workspace ? dmattn::cuda::ForwardWorkspaceBytes(s) : 0;
+  const int64_t workspace_bytes = workspace ? dmattn::cuda::ForwardWorkspaceBytes(s)
+                                            : dmattn::cuda::SegmentSpanBytes(s);
   fa.workspace[0] = workspace_bytes > 0 ? Poisoned(workspace_bytes) : nullptr;
   fa.workspace_bytes[0] = workspace_bytes;
   CK(dmattn::cuda::Forward(s, fa, 0));
@@ -585,6 +646,8 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.bias = in.bias;
   ba.q_lens = in.ql;
   ba.kv_lens = in.kl;
+  ba.q_segments = in.qs;
+  ba.kv_segments = in.ks;
   ba.dq = dq;
   ba.dk = dk;
   ba.dv = dv;
@@ -659,6 +722,8 @@ Buffers UploadInputs(const Problem& P) {
   b.dlse = Upload(P.dlse);
   b.ql = Upload(P.q_lens);
   b.kl = Upload(P.kv_lens);
+  b.qs = Upload(P.q_seg);
+  b.ks = Upload(P.kv_seg);
   return b;
 }
 void FreeInputs(Buffers& b) {
@@ -667,7 +732,8 @@ void FreeInputs(Buffers& b) {
                   static_cast<void*>(b.mask), static_cast<void*>(b.mask_map),
                   static_cast<void*>(b.mask_bits),
                   static_cast<void*>(b.dlse),
-                  static_cast<void*>(b.ql), static_cast<void*>(b.kl)})
+                  static_cast<void*>(b.ql), static_cast<void*>(b.kl),
+                  static_cast<void*>(b.qs), static_cast<void*>(b.ks)})
     if (p) CK(cudaFree(p));
 }
 
@@ -870,6 +936,64 @@ std::vector<Case> AllCases() {
     c.Lk = 400; c.D = 128; c.window_left = 100; c.window_right = 20; c.seqlens = true;
     c.q_lens = {400, 150}; c.kv_lens = {380, 222}; add(c);
   }
+  // segment ids: packed documents (tiles skipped, single-id tiles unchecked, the rest compared
+  // per score), ids at random per position (nothing skipped), with every other feature
+  {
+    Case c; c.name = "seg_packed_causal_q1100_k1100_d128"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 1100; c.Lk = 1100; c.D = 128; c.causal = true; c.seg_docs = 6; c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "seg_packed_q17_k129_d64"; c.H = 2; c.Hk = 1; c.Lq = 17; c.Lk = 129;
+    c.D = 64; c.seg_docs = 3; add(c);
+  }
+  {
+    Case c; c.name = "seg_packed_causal_q300_k4100_d128_mask_bias"; c.H = 4; c.Hk = 2;
+    c.Lq = 300; c.Lk = 4100; c.D = 128; c.causal = true; c.seg_docs = 9;
+    c.mask = Op({1}, 2, true, true); c.mask_holes = true; c.bias = Op({1}, 4, true, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "seg_random_q333_k520_d64_bias"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 333; c.Lk = 520; c.D = 64; c.seg_docs = 3; c.seg_random = true;
+    c.bias = Op({2}, 4, true, true); add(c);
+  }
+  {
+    Case c; c.name = "seg_random_causal_q700_k700_d128_mask"; c.H = 2; c.Hk = 2; c.Lq = 700;
+    c.Lk = 700; c.D = 128; c.causal = true; c.seg_docs = 2; c.seg_random = true;
+    c.mask = Op({1}, 2, true, true); add(c);
+  }
+  {
+    Case c; c.name = "seg_shared_gqa_seqlens_d96_perkey_bias"; c.batch = {3}; c.H = 8; c.Hk = 2;
+    c.Lq = 257; c.Lk = 390; c.D = 96; c.seg_docs = 5; c.seg_shared = true; c.seqlens = true;
+    c.q_lens = {257, 100, 0}; c.kv_lens = {390, 129, 50}; c.bias = Op({3}, 8, false, true);
+    c.dlse = true; add(c);
+  }
+  {
+    Case c; c.name = "seg_orphans_d128_bias_colbcast_softcap"; c.batch = {2}; c.H = 2;
+    c.Hk = 2; c.Lq = 200; c.Lk = 260; c.D = 128; c.seg_docs = 4; c.seg_orphans = true;
+    c.softcap = 10.f; c.bias = Op({1}, 2, true, false); add(c);
+  }
+  {
+    Case c; c.name = "seg_fp16_window_d32_bias1row"; c.bf16 = false; c.batch = {2}; c.H = 4;
+    c.Hk = 4; c.Lq = 400; c.Lk = 300; c.D = 32; c.window_left = 50; c.window_right = 30;
+    c.seg_docs = 7; c.bias = Op({2}, 1, false, true); add(c);
+  }
+  {
+    Case c; c.name = "seg_deterministic_d128_mask_bias"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 190; c.Lk = 230; c.D = 128; c.seg_docs = 4; c.deterministic = true;
+    c.mask = Op({2}, 2, true, true); c.mask_holes = true; c.bias = Op({2}, 2, false, true);
+    add(c);
+  }
+  {
+    Case c; c.name = "seg_split_q1_k4000_d256"; c.batch = {2}; c.H = 8; c.Hk = 2; c.Lq = 1;
+    c.Lk = 4000; c.D = 256; c.seg_docs = 3; c.seg_random = true; add(c);
+  }
+  {
+    Case c; c.name = "seg_vmap_grads_full_d64_causal"; c.batch = {2}; c.kv_batch = {1};
+    c.dkv_batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 300; c.Lk = 144; c.D = 64; c.causal = true;
+    c.seg_docs = 3; c.seg_shared = true; c.bias = Op({1}, 4, true, true); c.dbias_batch = {2};
+    add(c);
+  }
   return v;
 }
 
@@ -926,6 +1050,16 @@ std::vector<Case> QuickCases() {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
     Case c; c.name = "quick_ordered_q1100_k4100_d128_mask"; c.H = 16; c.Hk = 4; c.Lq = 1100;
     c.Lk = 4100; c.D = 128; c.mask = Op({1}, 16, true, true); c.block_density = 0.1f;
+    v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_seg_q130_k300_d128_mask_bias_causal"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 130; c.Lk = 300; c.D = 128; c.causal = true; c.seg_docs = 4;
+    c.mask = Op({2}, 1, true, true); c.bias = Op({2}, 2, true, true); v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_seg_random_q70_k90_d64_det"; c.H = 2; c.Hk = 2; c.Lq = 70;
+    c.Lk = 90; c.D = 64; c.seg_docs = 2; c.seg_random = true; c.deterministic = true;
     v.push_back(c);
   }
   return v;
@@ -1118,6 +1252,13 @@ void Bench(bool variants, const std::string& only) {
   benches.push_back({"dense d128 L4k B4 H16 causal", mk("b2", 4, 16, 16, 4096, 128, true, false, false), 0});
   benches.push_back({"dense d128 L16k B1 H16", mk("b1l", 1, 16, 16, 16384, 128, false, false, false), 0});
   benches.push_back({"dense d128 L16k B1 H16 causal", mk("b2l", 1, 16, 16, 16384, 128, true, false, false), 0});
+  {
+    // sequence packing: 8 documents of 2k, block-diagonal causal (dense causal flops)
+    Case c = mk("b2p", 1, 16, 16, 16384, 128, true, false, false);
+    c.seg_docs = 8;
+    c.seg_even = true;
+    benches.push_back({"packed 8 docs L16k H16 d128 causal (dense flops)", c, 0});
+  }
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
