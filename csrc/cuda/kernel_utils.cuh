@@ -26,6 +26,7 @@ struct Elem;
 
 template <>
 struct Elem<__nv_bfloat16> {
+  static constexpr uint32_t kNegInfPair = 0xff80ff80u;  // -inf in both halves
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -50,6 +51,7 @@ struct Elem<__nv_bfloat16> {
 
 template <>
 struct Elem<__half> {
+  static constexpr uint32_t kNegInfPair = 0xfc00fc00u;
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     for (int slot = 0; slot < Tr::kTileSlots; ++slot) {
       mbar_init(queue.full + slot, 1);
-      mbar_init(queue.empty + slot, Tr::kReleaseArrivals);
+      mbar_init(queue.empty + slot, Tr::kReleaseArrivals + (has_operand_warp<Tr>(P) ? 1 : 0));
     }
     for (int slot = 0; slot < Tr::kBiasStages; ++slot) {
       mbar_init(bar.bias_full(slot), 1);
@@ -51,7 +51,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   if (threadIdx.x < 128) {
     release_registers<Tr::kProducerRegs>();
-    if (threadIdx.x < 32) produce<Tr>(P, smem, bar, queue);
+    if (threadIdx.x < 32) {
+      produce<Tr>(P, smem, bar, queue);
+    } else if constexpr (Tr::kOperands) {
+      if (threadIdx.x < 64 && has_operand_warp<Tr>(P)) produce_operands<Tr>(P, smem, bar, queue);
+    }
     return;
   }
   claim_registers<Tr::kConsumerRegs>();

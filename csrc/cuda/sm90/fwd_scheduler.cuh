@@ -48,7 +48,7 @@ template <int kSlots>
 struct TileQueue {
   int64_t* tiles;    // [kSlots]
   uint64_t* full;    // [kSlots], one arrival (the producer)
-  uint64_t* empty;   // [kSlots], one arrival per consumer warp
+  uint64_t* empty;   // [kSlots], one arrival per consumer warp (and the operand warp)
 
   __device__ __forceinline__ void push(RingPos<kSlots>& pos, int64_t t) const {
     mbar_wait(empty + pos.slot, pos.parity ^ 1);

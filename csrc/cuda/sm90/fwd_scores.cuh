@@ -59,29 +59,89 @@ struct RowState {
   }
 };
 
-// s += bias / scale from a bias tile (swizzled panels, or one row broadcast over queries).
-template <typename Tr, typename T>
+// The mask's bits of a thread's column pairs as keep masks of packed 16-bit pairs: keep(half,
+// t) is 0xffff in the half-word of each key of pair t (row half `half`) the mask shows, 0 where
+// it hides it. A tile row is 16 bytes of bits (key c of the block in bit c % 8 of byte c / 8, or
+// one row broadcast over queries); pair 8 t + 2 tq, +1 is bits 8 (t % 4) + 2 tq, +1 of word
+// t / 4. Shifting those bits to the most significant bit of their byte lets one byte permute
+// with sign replication spread each over a half-word: one instruction a pair.
+template <typename Tr>
+struct PairKeep {
+  static_assert(Tr::NTS == 16, "one 16-byte row of bits per row of the tile");
+  const uint32_t* rows[2];  // the row of each row half (words read as they are needed: the
+                            // consumers' registers are full while P V runs)
+  __device__ __forceinline__ PairKeep(const uint8_t* tile, bool one_row, const ConsumerThread& th) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      rows[half] = reinterpret_cast<const uint32_t*>(tile + (one_row ? 0 : 16 * th.tile_row(half)));
+    }
+  }
+  // The keep masks of the four pairs t = 4 w .. 4 w + 3 of one row half.
+  struct Word {
+    uint32_t first, second;  // bit 2 tq (resp. 2 tq + 1) of each byte moved to its msb
+    __device__ __forceinline__ uint32_t operator()(int t) const {
+      const uint32_t j = t % 4;  // the pair's byte
+      const uint32_t select = (8 | j) | (8 | j) << 4 | (12 | j) << 8 | (12 | j) << 12;
+      uint32_t keep;
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(keep) : "r"(first), "r"(second), "r"(select));
+      return keep;
+    }
+  };
+  __device__ __forceinline__ Word word(int half, int w, int tq) const {
+    const uint32_t bits = rows[half][w];
+    return {bits << (7 - 2 * tq), bits << (6 - 2 * tq)};
+  }
+};
+
+// s += bias / scale from a bias tile: BM x BN in swizzled 64-column panels, read by ldmatrix
+// (one x4 holds the thread's pairs of two 8-column tiles in both of its rows), or one plain row
+// broadcast over queries. With kMasked, keys the mask hides get a bias of -inf first, on the
+// packed pairs (valid where no softcap follows and bias_mul > 0).
+template <typename Tr, typename T, bool kMasked>
 __device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* bias_tile,
-                                         const FwdParamsSm90& P, const ConsumerThread& th) {
+                                         const PairKeep<Tr>* keep, const FwdParamsSm90& P,
+                                         const ConsumerThread& th) {
   using E = detail::Elem<T>;
-  const T* tile = reinterpret_cast<const T*>(bias_tile);
+  const float mul = P.p.bias_mul;
+  auto add = [&](int half, int t, uint32_t pair, const typename PairKeep<Tr>::Word& bits) {
+    if constexpr (kMasked) {
+      const uint32_t k = bits(t);
+      pair = (pair & k) | (~k & E::kNegInfPair);
+    }
+    const float2 b = E::unpack(pair);
+    // fmaf: a separate product would be computed ahead of S, in 64 more registers
+    s[4 * t + 2 * half] = fmaf(b.x, mul, s[4 * t + 2 * half]);
+    s[4 * t + 2 * half + 1] = fmaf(b.y, mul, s[4 * t + 2 * half + 1]);
+  };
   const bool one_row = P.bias_tiles.one_row;
+  const uint32_t* row = reinterpret_cast<const uint32_t*>(bias_tile) + th.tq;
+  const detail::FragAddr<Tr::BM, Tr::BN> frag(bias_tile, 64 * th.wg + 16 * th.warp + th.lane % 16,
+                                              8 * (th.lane / 16));
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const SwizzledPairs<Tr::BM> pairs(th.tile_row(half), th.tq);
+  for (int w = 0; w < Tr::NTS / 4; ++w) {  // pairs t = 4 w .. 4 w + 3: one word of mask bits
+    typename PairKeep<Tr>::Word bits[2];
+    if constexpr (kMasked) bits[0] = keep->word(0, w, th.tq), bits[1] = keep->word(1, w, th.tq);
+    if (one_row) {
 #pragma unroll
-    for (int t = 0; t < Tr::NTS; ++t) {
-      const int off = one_row ? 8 * t + 2 * th.tq : pairs(t);
-      const float2 b = E::unpack(*reinterpret_cast<const uint32_t*>(tile + off));
-      s[4 * t + 2 * half] += b.x * P.p.bias_mul;
-      s[4 * t + 2 * half + 1] += b.y * P.p.bias_mul;
+      for (int t = 4 * w; t < 4 * w + 4; ++t) {
+        add(0, t, row[4 * t], bits[0]);
+        add(1, t, row[4 * t], bits[1]);
+      }
+    } else {
+#pragma unroll
+      for (int t = 4 * w; t < 4 * w + 4; t += 2) {
+        uint32_t r[4];
+        detail::ldsm_x4(r, frag(0, 8 * t));
+        add(0, t, r[0], bits[0]);
+        add(1, t, r[1], bits[1]);
+        add(0, t + 1, r[2], bits[0]);
+        add(1, t + 1, r[3], bits[1]);
+      }
     }
   }
 }
 
-// -inf where the mask is false, from a tile of its bits (rows of 16 bytes, key c of the block in
-// bit c % 8 of byte c / 8, or one row broadcast over queries): a thread's pair 8 t + 2 tq, +1 is
-// bits 8 (t % 4) + 2 tq, +1 of the row's word t / 4.
+// -inf where the mask is false (a tile of its bits, as PairKeep reads it).
 template <typename Tr>
 __device__ __forceinline__ void apply_mask(float (&s)[Tr::BN / 2], const uint8_t* tile,
                                            const FwdParamsSm90& P, const ConsumerThread& th) {
@@ -140,11 +200,24 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
                                               OperandRings<Tr>& operands, const TileWork& w,
                                               const ConsumerThread& th, int n, int flags) {
   const FwdParams& p = P.p;
+  bool mask_pending = Tr::kOperands && loads_mask(p, flags);
   if constexpr (Tr::kOperands) {
     if (p.bias != nullptr) {
       RingPos<Tr::kBiasStages>& pos = operands.bias;
       mbar_wait(bar.bias_full(pos.slot), pos.parity);
-      add_bias<Tr, T>(s, smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes, P, th);
+      const uint8_t* tile = smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes;
+      if (mask_pending && p.softcap == 0.f && p.bias_mul > 0.f) {  // the mask rides on the bias
+        RingPos<Tr::kMaskStages>& mpos = operands.mask;
+        mbar_wait(bar.mask_full(mpos.slot), mpos.parity);
+        const PairKeep<Tr> keep(smem + Tr::kOffMask + mpos.slot * Tr::kMaskBytes,
+                                P.mask_tiles.one_row, th);
+        add_bias<Tr, T, true>(s, tile, &keep, P, th);
+        th.release(bar.mask_empty(mpos.slot));
+        mpos.advance();
+        mask_pending = false;
+      } else {
+        add_bias<Tr, T, false>(s, tile, nullptr, P, th);
+      }
       th.release(bar.bias_empty(pos.slot));
       pos.advance();
     }
@@ -156,7 +229,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
     }
   }
   if constexpr (Tr::kOperands) {
-    if (loads_mask(p, flags)) {
+    if (mask_pending) {
       RingPos<Tr::kMaskStages>& pos = operands.mask;
       mbar_wait(bar.mask_full(pos.slot), pos.parity);
       apply_mask<Tr>(s, smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, P, th);
