@@ -240,11 +240,13 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
   hide_out_of_bounds<Tr>(s, p, w, th, n);
 }
 
-// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed
-// before.
+// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before,
+// exactly 1 for a row whose maximum held. Returns whether the warp has a row whose maximum grew
+// (the only rows whose O needs the factor).
 template <int N>
-__device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
+__device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
                                                float mul) {
+  bool grew = false;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = st.m[half];
@@ -255,7 +257,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, floa
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
-    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled);
+    grew = grew || mx != st.m[half];
+    corr[half] = mx == st.m[half] ? 1.f : detail::fast_exp2(st.m[half] * mul - m_scaled);
     st.m[half] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -269,6 +272,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N], RowState& st, floa
     }
     st.l[half] = st.l[half] * corr[half] + sum;
   }
+  return __any_sync(0xffffffffu, grew);
 }
 
 template <int N>
