@@ -31,9 +31,14 @@ struct Elem<__nv_bfloat16> {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
-  // A bf16 is the top half of its float: one shift and one AND (the intrinsic's byte permute
-  // and shift take three instructions a pair).
   static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+    return __bfloat1622float2(v);
+  }
+  // A bf16 is the top half of its float: one shift and one AND (the intrinsic's byte permute
+  // and shift take three instructions a pair; the FlashAttention-2-class backward, at its
+  // register limit, runs slower with this form, so it keeps the intrinsic).
+  static __device__ __forceinline__ float2 unpack_fast(uint32_t u) {
     return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
   }
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -61,6 +66,7 @@ struct Elem<__half> {
     __half2 v = *reinterpret_cast<__half2*>(&u);
     return __half22float2(v);
   }
+  static __device__ __forceinline__ float2 unpack_fast(uint32_t u) { return unpack(u); }
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,

@@ -221,7 +221,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
   return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
-         s.seqlen_k > 0 && !s.has_segments;  // segment ids: the FlashAttention-2-class kernel
+         s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128);
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {

@@ -191,11 +191,18 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   if constexpr (sm90::FwdConfig<D>::kAvailable) {
     if (sm90::Takes(params)) {
       using Config = sm90::FwdConfig<D>;
+      const bool operands = params.mask != nullptr || params.bias != nullptr;
+      const bool segments = params.q_segments != nullptr;
       cudaError_t e = cudaErrorNotSupported;
-      if (params.mask == nullptr && params.bias == nullptr) {
+      if (!operands && !segments) {
         e = sm90::RunForward<typename Config::Traits, T>(params, stream);
       } else if constexpr (D <= 128) {
-        e = sm90::RunForward<typename Config::OperandTraits, T>(params, stream);
+        if (!segments) {
+          e = sm90::RunForward<typename Config::OperandTraits, T>(params, stream);
+        } else {
+          e = operands ? sm90::RunForward<typename Config::OperandSegmentTraits, T>(params, stream)
+                       : sm90::RunForward<typename Config::SegmentTraits, T>(params, stream);
+        }
       }
       if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other
     }

@@ -1265,6 +1265,9 @@ void Bench(bool variants, const std::string& only) {
     c.seg_docs = 8;
     c.seg_even = true;
     benches.push_back({"packed 8 docs L16k H16 d128 causal (dense flops)", c, 0});
+    // the same documents as a batch: what packing should cost (issue 24: within 1.15x)
+    benches.push_back({"8 docs as a batch B8 L2k H16 d128 causal",
+                       mk("b2b", 8, 16, 16, 2048, 128, true, false, false), 0});
   }
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});

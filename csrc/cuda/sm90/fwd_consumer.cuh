@@ -100,7 +100,7 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   detail::fence_operands(s);
   th.release(bar.k_empty(ring.slot));
   finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
-  online_softmax(s, st, corr, p.softmax_mul);
+  online_softmax<false>(s, st, corr, p.softmax_mul);
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
@@ -117,15 +117,15 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
     detail::fence_operands(s);
     th.release(bar.k_empty(ring.slot));
     finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
-    const bool grew = online_softmax(s, st, corr, p.softmax_mul);
+    // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
+    // settle, most blocks skip the rescale. The others hide it under the GEMMs, and its test
+    // costs them 1-2 % (H200).
+    const bool grew = online_softmax<Tr::kOperands>(s, st, corr, p.softmax_mul);
 
     detail::wgmma_wait<0>();  // P V
     detail::fence_operands(o);
     th.release(bar.v_empty(pv.slot));
-    // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
-    // settle, most blocks skip the rescale. The dense ones hide it under the GEMMs, and the
-    // branch costs them 1-2 % (H200).
-    if (!Tr::kOperands || grew) rescale(o, corr);
+    if (grew) rescale(o, corr);
     pack_probabilities<T>(pf, s);
     pv = ring;
     ring.advance();

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   RowState st;
   for (int64_t t = queue.pop(queued, th.lane); t < P.order.tiles; t = queue.pop(queued, th.lane)) {
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
-    KeyWalk<Tr::BM, Tr::BN, Tr::kOperands> walk(P, w);
+    KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
     const bool busy = first >= w.keys.lo;  // else no key is visible: zeros and lse -inf

@@ -12,12 +12,16 @@ namespace dmattn::cuda::sm90 {
 // The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h): at
 // D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
 // larger head dims, hides under two others' GEMMs.
-// Calls with a mask or a bias run the same tile with the bias and mask rings (D <= 128).
+// Calls with a mask or a bias run the same tile with the bias and mask rings, calls with segment
+// ids kernels that read them (D <= 128 both).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
-  using Traits = FwdTraits<D, D <= 128 ? 128 : 64, D == 64 ? 3 : 2>;
-  using OperandTraits = FwdTraits<D, 128, D == 64 ? 3 : 2, true>;
+  static constexpr int kConsumers = D == 64 ? 3 : 2;
+  using Traits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers>;
+  using SegmentTraits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, true>;
+  using OperandTraits = FwdTraits<D, 128, kConsumers, true>;
+  using OperandSegmentTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, true>;
 };
 
 // Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch

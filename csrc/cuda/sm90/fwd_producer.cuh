@@ -135,7 +135,7 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
     if (leader) queue.push(queued, t);
     if (t >= P.order.tiles) break;
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
-    KeyWalk<Tr::BM, Tr::BN, Tr::kOperands> walk(P, w);
+    KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
     if (first >= w.keys.lo) {
@@ -163,7 +163,7 @@ __device__ __forceinline__ void produce_operands(const FwdParamsSm90& P, uint8_t
   RingPos<Tr::kTileSlots> queued;
   for (int64_t t = queue.pop(queued, lane); t < P.order.tiles; t = queue.pop(queued, lane)) {
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
-    KeyWalk<Tr::BM, Tr::BN, true> walk(P, w);
+    KeyWalk<Tr> walk(P, w);
     int flags;
     for (int n = walk.first_block(w, &flags); n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
       load_operands<Tr>(P, smem, bar, w, n, flags, rings, lane == 0);

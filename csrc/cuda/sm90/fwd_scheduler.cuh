@@ -14,7 +14,10 @@
 // queue in shared memory (TileQueue).
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/block_map.cuh"
+#include "cuda/segments.cuh"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/sm90/fwd_params.h"
 #include "cuda/sm90/sync.cuh"
@@ -96,25 +99,43 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   return w;
 }
 
-// The tile's key blocks with a visible mask element (all of them without a mask), from the last
-// to the first (block_map.cuh); warp-wide. first_block(): the first of them, keys.lo - 1 when
-// there is none (the tile then has no work). Kernels that never take a mask (kMayMask false)
-// compile no walk at all (csrc/cuda/README.md: the walk's code in their main loop).
-template <int BM, int BN, bool kMayMask>
+// The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
+// visible (all of them without either), from the last to the first (block_map.cuh); warp-wide.
+// first_block(): the first of them, keys.lo - 1 when there is none (the tile then has no
+// work). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
+// in their main loop).
+template <typename Tr>
 struct KeyWalk {
-  detail::TileWalk<-1, detail::KeyTileFlags<BM, BN>> walk;
+  using MaskFlags = detail::KeyTileFlags<Tr::BM, Tr::BN>;
+  using Flags = std::conditional_t<Tr::kSegments,
+                                   detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>, MaskFlags>;
+  detail::TileWalk<-1, Flags> walk;
   __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
-      : walk(detail::key_block_walk<BM, BN>(detail::MaskMapView(P.p.mask_map, P.p.s, w.b, w.h),
-                                            kMayMask && P.p.mask != nullptr, w.m0, w.keys.lo)) {}
+      : walk(make(P, w)) {}
   __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
     return w.empty() ? w.keys.lo - 1 : next(w.keys.hi - 1, flags);
   }
   __device__ __forceinline__ int next(int n, int* flags) {
-    if constexpr (kMayMask) {
+    if constexpr (Tr::kOperands || Tr::kSegments) {
       return walk.next(n, flags);
     } else {
       *flags = detail::kTileAny | detail::kTileAll;
       return n;
+    }
+  }
+
+ private:
+  static __device__ __forceinline__ detail::TileWalk<-1, Flags> make(const FwdParamsSm90& P,
+                                                                    const TileWork& w) {
+    const FwdParams& p = P.p;
+    const bool has_mask = Tr::kOperands && p.mask != nullptr;
+    const MaskFlags mask{detail::MaskMapView(p.mask_map, p.s, w.b, w.h), w.m0};
+    if constexpr (Tr::kSegments) {
+      const detail::SegmentSpansView spans(p.segment_spans, p.s, w.b);
+      return detail::TileWalk<-1, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},
+                                         w.keys.lo - 1);
+    } else {
+      return detail::TileWalk<-1, Flags>(has_mask, mask, w.keys.lo - 1);
     }
   }
 };

@@ -108,7 +108,7 @@ __device__ __forceinline__ void add_bias(float (&s)[Tr::BN / 2], const uint8_t* 
       const uint32_t k = bits(t);
       pair = (pair & k) | (~k & E::kNegInfPair);
     }
-    const float2 b = E::unpack(pair);
+    const float2 b = E::unpack_fast(pair);
     // fmaf: a separate product would be computed ahead of S, in 64 more registers
     s[4 * t + 2 * half] = fmaf(b.x, mul, s[4 * t + 2 * half]);
     s[4 * t + 2 * half + 1] = fmaf(b.y, mul, s[4 * t + 2 * half + 1]);
@@ -191,9 +191,39 @@ __device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const
   }
 }
 
+// -inf where a key's segment id differs from its row's: blocks whose ids are not all one value
+// (kTileSegments, segments.cuh; rare in packed batches), ids read straight from memory. Rows and
+// keys past the ends read the last id; the bounds test hides them.
+template <typename Tr>
+__device__ __forceinline__ void hide_other_segments(float (&s)[Tr::BN / 2], const FwdParams& p,
+                                                    const TileWork& w, const ConsumerThread& th,
+                                                    int n) {
+  const int32_t* q_ids = detail::q_segment_row(p, w.b);
+  const int32_t* kv_ids = detail::kv_segment_row(p, w.b);
+  const int last_q = static_cast<int>(p.s.seqlen_q) - 1;
+  const int last_k = static_cast<int>(p.s.seqlen_k) - 1;
+  int row_id[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_id[half] = __ldg(q_ids + min(th.row0(w.m0) + 8 * half, last_q));
+  }
+  const int c0 = n * Tr::BN + 2 * th.tq;
+#pragma unroll
+  for (int t = 0; t < Tr::NTS; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key_id = __ldg(kv_ids + min(c0 + 8 * t + e, last_k));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (key_id != row_id[half]) s[4 * t + 2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
 // S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, softcap,
-// then -inf where the mask, the lengths or the diagonal window hide a key. The bias and mask
-// tiles come from their rings, released here.
+// then -inf where the mask, the segment ids, the lengths or the diagonal window hide a key. The
+// bias and mask tiles come from their rings, released here.
 template <typename Tr, typename T>
 __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdParamsSm90& P,
                                               const uint8_t* smem, const FwdBarriers<Tr>& bar,
@@ -237,13 +267,16 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
       pos.advance();
     }
   }
+  if constexpr (Tr::kSegments) {
+    if (flags & detail::kTileSegments) hide_other_segments<Tr>(s, p, w, th, n);
+  }
   hide_out_of_bounds<Tr>(s, p, w, th, n);
 }
 
-// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before,
-// exactly 1 for a row whose maximum held. Returns whether the warp has a row whose maximum grew
-// (the only rows whose O needs the factor).
-template <int N>
+// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before.
+// kTrackGrowth: corr is exactly 1 for a row whose maximum held, and the result says whether the
+// warp has a row whose maximum grew (the only rows whose O needs the factor); without, true.
+template <bool kTrackGrowth, int N>
 __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
                                                float mul) {
   bool grew = false;
@@ -257,8 +290,11 @@ __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, floa
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
-    grew = grew || mx != st.m[half];
-    corr[half] = mx == st.m[half] ? 1.f : detail::fast_exp2(st.m[half] * mul - m_scaled);
+    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled);
+    if constexpr (kTrackGrowth) {
+      grew = grew || mx != st.m[half];
+      if (mx == st.m[half]) corr[half] = 1.f;
+    }
     st.m[half] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -272,7 +308,7 @@ __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, floa
     }
     st.l[half] = st.l[half] * corr[half] + sum;
   }
-  return __any_sync(0xffffffffu, grew);
+  return kTrackGrowth ? __any_sync(0xffffffffu, grew) : true;
 }
 
 template <int N>

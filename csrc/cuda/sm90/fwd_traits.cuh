@@ -14,14 +14,16 @@
 
 namespace dmattn::cuda::sm90 {
 
-// kOperands: the CTA has rings for the bias and mask tiles of the key blocks (a call with a
-// mask or a bias), which the producer loads with K. kProducerRegs_ / kConsumerRegs_: setmaxnreg
-// budgets other than the defaults below (0: the default), for tuning builds.
+// kOperands: the CTA has rings for the bias and mask tiles of the key blocks and walks past the
+// blocks a mask hides (a call with a mask or a bias). kSegments: it reads segment ids (kernels
+// of their own: their walk's state would cost the others' consumers registers).
+// kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
+// default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
-          int kConsumerRegs_ = 0>
+          int kConsumerRegs_ = 0, bool kSegments_ = false>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
-  static constexpr bool kOperands = kOperands_;
+  static constexpr bool kOperands = kOperands_, kSegments = kSegments_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
