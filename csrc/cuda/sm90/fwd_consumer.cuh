@@ -4,8 +4,8 @@
 //   S(n) = Q K(n)^T          wgmma, both operands in shared memory
 //   O   += P(n+1) V(n+1)     wgmma, P from registers: issued right after S(n), so the softmax
 //                            of S(n) runs while the tensor cores work on P V
-//   S(n): + bias, softcap, -inf where the mask / lengths / the diagonal window hide a key,
-//         online softmax -> P(n)
+//   S(n): + bias, softcap, -inf where the mask / segment ids / lengths / the diagonal window
+//         hide a key, online softmax -> P(n)
 //   O   *= the rescale factor of S(n)'s new row maxima, once P V is done (with a mask or bias
 //         skipped by a warp none of whose rows' maxima grew)
 //

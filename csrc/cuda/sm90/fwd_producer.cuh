@@ -7,7 +7,7 @@
 // the block is not all true) go to rings of their own: in calls with a bias a second warp takes
 // the tiles from the same queue and, walking the same blocks, issues them (one warp of 24
 // registers issuing every load was the slower side of the pipeline once a bias streamed from
-// memory: 0.940 -> 0.872 ms with a 50 % mask, H200); otherwise the first warp loads the mask
+// memory: 0.94 -> 0.87-0.89 ms with a 50 % mask, H200); otherwise the first warp loads the mask
 // tiles with K.
 #pragma once
 

@@ -17,8 +17,8 @@
 #include <type_traits>
 
 #include "cuda/block_map.cuh"
-#include "cuda/segments.cuh"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/segments.cuh"
 #include "cuda/sm90/fwd_params.h"
 #include "cuda/sm90/sync.cuh"
 
