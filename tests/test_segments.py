@@ -428,6 +428,120 @@ def test_no_lq_by_lk_array():
         assert bool(found) == (impl == "xla"), (impl, found[:3])
 
 
+# issue 24's memory point, for the training step as a whole: value_and_grad of a packed, causal
+# call (with a per-key bias and a key mask too) lowered for the cpu backend (StableHLO and the
+# compiled HLO) and for cuda (StableHLO, with a fake CUDA build): no array of that program may
+# hold Lq·Lk elements or more. Lq = Lk = 1024 with H = 4, D = 16: the largest O(L) arrays (q, out,
+# their gradients) hold 2·1024·4·16 = 131072 elements, an eighth of Lq·Lk = 1048576, so only a
+# quadratic array can reach the bound.
+MEM_B, MEM_L, MEM_H, MEM_HK, MEM_D = 2, 1024, 4, 2, 16
+MEM_FAKE_BUILD = dict(FAKE_BUILD, cuda_head_dims=[MEM_D], mask_map_cell=64)
+_STABLEHLO_TYPE = re.compile(r"tensor<((?:\d+x)*)[a-z]\w*>")
+_HLO_SHAPE = re.compile(r"\b(?:pred|[suf]\d+|bf16|f8\w*|c\d+)\[([\d,]*)\]")
+
+
+def array_sizes(text: str) -> list[tuple[int, str]]:
+    """(elements, type) of every array type in StableHLO text (``tensor<2x1024x4x16xf32>``) or
+    HLO text (``f32[2,1024,4,16]{3,2,1,0}``); scalars count 1."""
+    sizes = []
+    for match in _STABLEHLO_TYPE.finditer(text):
+        dims = [int(d) for d in match.group(1).split("x") if d]
+        sizes.append((int(np.prod(dims)), match.group(0)))
+    for match in _HLO_SHAPE.finditer(text):
+        dims = [int(d) for d in match.group(1).split(",") if d]
+        sizes.append((int(np.prod(dims)), match.group(0)))
+    return sizes
+
+
+def _training_step_texts(with_bias_mask: bool, platform: str, implementation: str | None,
+                         dense_mask: bool = False) -> dict[str, str]:
+    """{"stablehlo": …, and on the cpu "compiled": …} of jit(value_and_grad(loss)) of a causal
+    flash_dmattn call on 8 packed documents a row (ids ``[B, L]``), gradients wrt q, k, v (and the
+    bias). `dense_mask`: the same rule handed over as a bool ``[B, 1, Lq, Lk]`` mask instead of
+    segment ids (the control: that program must hold an Lq·Lk array)."""
+    rng = np.random.default_rng(11)
+    dtype = np.float32 if platform == "cpu" else jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((MEM_B, MEM_L, MEM_H, MEM_D)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((MEM_B, MEM_L, MEM_HK, MEM_D)), dtype)
+            for _ in range(2))
+    cuts = np.sort(rng.choice(np.arange(1, MEM_L), (MEM_B, 7), replace=False), axis=1)
+    ids = np.stack([np.searchsorted(c, np.arange(MEM_L), side="right") for c in cuts])
+    ids = ids.astype(np.int32)  # 8 documents a row, monotone ids 0..7
+    bias = jnp.asarray(rng.standard_normal((1, MEM_H, 1, MEM_L)), dtype) if with_bias_mask \
+        else None
+    key_mask = jnp.asarray(rng.random((MEM_B, 1, 1, MEM_L)) < 0.9) if with_bias_mask else None
+    if dense_mask:
+        mask = jnp.asarray(segment_mask(ids, ids))
+        mask, ids = (mask if key_mask is None else mask & key_mask), None
+    else:
+        mask, ids = key_mask, jnp.asarray(ids)
+
+    # mask and ids are arguments of the step (as in training), not constants folded into it
+    def loss(q, k, v, bias, mask, ids):
+        out = flash_dmattn(q, k, v, mask, bias, q_segment_ids=ids, kv_segment_ids=ids,
+                           is_causal=True, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    argnums = (0, 1, 2, 3) if with_bias_mask else (0, 1, 2)
+    traced = jax.jit(jax.value_and_grad(loss, argnums=argnums)).trace(q, k, v, bias, mask, ids)
+    if platform == "cpu":
+        lowered = traced.lower()
+        return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference would warn
+        return {"stablehlo": traced.lower(lowering_platforms=("cuda",)).as_text()}
+
+
+def _fake_cuda_build(monkeypatch) -> None:
+    """Lowering for cuda on this machine: a CUDA build is faked, and the FFI calls lose only
+    their flat uint8 workspaces, whose sizes the (absent) CUDA extension computes."""
+    real_call = _ffi._call
+
+    def call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        return real_call(target, operands, results, num_batch, attrs)
+
+    monkeypatch.setattr(_ffi, "_call", call)
+    monkeypatch.setattr(_ffi, "build_info", lambda: MEM_FAKE_BUILD)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+
+
+MEMORY_CASES = [("cpu", None), ("cuda", None), ("cuda", "cuda")]
+
+
+@pytest.mark.parametrize("with_bias_mask", [False, True], ids=["plain", "bias_and_key_mask"])
+@pytest.mark.parametrize(("platform", "implementation"), MEMORY_CASES,
+                         ids=[f"{p}-{i}" for p, i in MEMORY_CASES])
+def test_training_step_has_no_lq_by_lk_array(monkeypatch, platform, implementation,
+                                             with_bias_mask):
+    """jit(value_and_grad) of a packed causal call, with or without a bias ``[1, H, 1, Lk]`` and
+    a mask ``[B, 1, 1, Lk]`` broadcast over queries: every array of the lowered program (and of
+    the compiled one on the cpu) holds fewer than Lq·Lk elements."""
+    if platform == "cuda":
+        _fake_cuda_build(monkeypatch)
+    texts = _training_step_texts(with_bias_mask, platform, implementation)
+    if platform == "cuda":  # the CUDA kernels ran, not a fallback (which would also be O(L²))
+        assert _ffi.FORWARD_TARGET in texts["stablehlo"]
+        assert _ffi.BACKWARD_TARGET in texts["stablehlo"]
+    for form, text in texts.items():
+        sizes = array_sizes(text)
+        assert sizes, form  # the parser read this form
+        largest = max(sizes)
+        assert largest[0] < MEM_L * MEM_L, (form, largest,
+                                            sorted(sizes, reverse=True)[:5])
+
+
+@pytest.mark.parametrize(("platform", "implementation"), MEMORY_CASES[:2],
+                         ids=[f"{p}-{i}" for p, i in MEMORY_CASES[:2]])
+def test_training_step_check_sees_a_dense_mask(monkeypatch, platform, implementation):
+    """The control of the test above: the same step given the rule as a dense ``[B, 1, Lq, Lk]``
+    mask instead of segment ids does show an array of Lq·Lk elements or more, in every form."""
+    if platform == "cuda":
+        _fake_cuda_build(monkeypatch)
+    texts = _training_step_texts(True, platform, implementation, dense_mask=True)
+    for form, text in texts.items():
+        assert max(array_sizes(text))[0] >= MEM_L * MEM_L, form
+
+
 def test_available_in_package():
     assert "q_segment_ids" in jax_dmattn.flash_dmattn.__doc__
 
