@@ -15,7 +15,7 @@ set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$repo/build/gpu_session}
 DIMS=${DIMS:-"32;64;96;128;192;256"}
-SUITES=${SUITES-"dense bias_mask dynamic density"}
+SUITES=${SUITES-"dense bias_mask dynamic density packed"}
 mkdir -p "$OUT"
 t0=$SECONDS
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}

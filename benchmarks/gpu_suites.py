@@ -5,8 +5,14 @@ forward (jit) and forward+backward (jit of value_and_grad wrt q, k, v and the bi
 one), median of timed calls after warm-up. A cell that fails (unsupported config, OOM) is recorded
 as "n/a (reason)" and the run goes on. Each suite writes gpu_<suite>.md and gpu_<suite>.json.
 
-    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,all} [--quick]
-        [--iters 20] [--out benchmarks/results]
+A fifth suite, `packed` (issue 24: sequence packing with segment ids), times 8 documents of 2k
+tokens packed in one L16k row (D128 H16 causal) with ids, the same documents as a batch [8, 2k],
+and cuDNN / xla on the packed row with the equivalent dense mask; its calls are timed back to back
+(DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps it reports
+(packed / batch, cuDNN / packed) are within the per-call latency of a block after every call.
+
+    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,all}
+        [--quick] [--iters 20] [--out benchmarks/results]
 
 Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
 (jax_dmattn with implementation=None, cuDNN skipped); such results never go to benchmarks/results.
@@ -22,6 +28,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,14 +38,18 @@ import numpy as np
 from _command import recorded_command
 
 import jax_dmattn
-from jax_dmattn._timing import attention_flops, median_ms
+from jax_dmattn._timing import attention_flops, back_to_back_ms, median_ms
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ("dense", "bias_mask", "dynamic", "density")
-IMPLS = ("jax_dmattn", "jax_dmattn_mask", "cudnn", "xla")
+SUITES = ("dense", "bias_mask", "dynamic", "density", "packed")
+# Suites timed back to back (DESIGN.md §5); the others keep the median of synchronised calls that
+# their recorded results were measured with.
+BACK_TO_BACK = ("packed",)
+BACK_TO_BACK_REPEATS = 3
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "cudnn", "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
-         "cudnn": "cuDNN", "xla": "xla"}
+         "jax_dmattn_batch": "jax_dmattn (as a batch)", "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
 JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
@@ -133,16 +144,19 @@ def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
 # ---- timing cells ---------------------------------------------------------------------------
 
 def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None) -> Callable:
-    """(q, k, v, mask, bias) → out for one implementation. With a `window` (the dynamic suite),
-    jax_dmattn is ``dynamic_attention``, which makes its own key lists from the bias and ignores
-    the mask; jax_dmattn_mask is always ``flash_dmattn`` with the mask."""
+    """(q, k, v, mask, bias[, segment_ids]) → out for one implementation. With a `window` (the
+    dynamic suite), jax_dmattn is ``dynamic_attention``, which makes its own key lists from the
+    bias and ignores the mask; jax_dmattn_mask and jax_dmattn_batch (the packed suite's documents
+    as a batch) are always ``flash_dmattn``. ``segment_ids`` [B, L] (the packed suite) go to
+    ``flash_dmattn`` as both the query and the key ids."""
     if impl == "jax_dmattn" and window is not None:
         def attend(q, k, v, mask, bias):
             return dynamic_attention(q, k, v, bias, window, is_causal=causal,
                                      implementation=ours)
-    elif impl in ("jax_dmattn", "jax_dmattn_mask"):
-        def attend(q, k, v, mask, bias):
-            return jax_dmattn.flash_dmattn(q, k, v, mask, bias, is_causal=causal,
+    elif impl in ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch"):
+        def attend(q, k, v, mask, bias, segment_ids=None):
+            return jax_dmattn.flash_dmattn(q, k, v, mask, bias, q_segment_ids=segment_ids,
+                                           kv_segment_ids=segment_ids, is_causal=causal,
                                            implementation=ours)
     else:
         def attend(q, k, v, mask, bias):
@@ -158,33 +172,50 @@ def reason(error: Exception) -> str:
     return " ".join(text.split())[:300]
 
 
-def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool) -> dict[str, dict]:
-    """{"fwd": cell, "fwd+bwd": cell}; a cell is {"ms": …} or {"error": …}, never raises."""
+def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool,
+              back_to_back: bool = False) -> dict[str, dict]:
+    """{"fwd": cell, "fwd+bwd": cell}; a cell is {"ms": …} or {"error": …}, never raises.
+
+    ``inputs["segment_ids"]`` (optional, [B, L] int32) are passed after the other arguments, as
+    jit arguments like the mask (not constants folded into the program)."""
     if impl == "cudnn" and not bench.on_gpu:
         return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
     attend = attention_fn(impl, causal, bench.ours, inputs.get("window"))
     with_bias = inputs["bias"] is not None
+    ids = [] if inputs.get("segment_ids") is None else [inputs["segment_ids"]]
 
-    def loss(q, k, v, mask, bias, dout):
-        return jnp.sum(attend(q, k, v, mask, bias).astype(jnp.float32) * dout)
+    def loss(q, k, v, mask, bias, dout, *segment_ids):
+        return jnp.sum(attend(q, k, v, mask, bias, *segment_ids).astype(jnp.float32) * dout)
 
     args = [inputs[n] for n in ("q", "k", "v", "mask", "bias")]
     passes = {
-        "fwd": (jax.jit(attend), args),
+        "fwd": (jax.jit(attend), [*args, *ids]),
         "fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4) if with_bias
-                                               else (0, 1, 2))), [*args, inputs["dout"]]),
+                                               else (0, 1, 2))), [*args, inputs["dout"], *ids]),
     }
-    cells = {name: time_cell(bench, fn, *fn_args) for name, (fn, fn_args) in passes.items()}
+    cells = {name: time_cell(bench, fn, *fn_args, back_to_back=back_to_back)
+             for name, (fn, fn_args) in passes.items()}
     jax.clear_caches()
     return cells
 
 
-def time_cell(bench: Bench, fn: Callable, *args) -> dict:
-    """{"ms": median ms of ``fn(*args)``} or {"error": why}: one failing cell must not stop the
-    run."""
+def time_cell(bench: Bench, fn: Callable, *args, back_to_back: bool = False) -> dict:
+    """{"ms": ms of ``fn(*args)``} or {"error": why}: one failing cell must not stop the run.
+
+    By default the median of `bench.iters` calls, each waited on; with `back_to_back`, per call of
+    `bench.iters` calls issued without waiting and then one block, the best of
+    BACK_TO_BACK_REPEATS such batches (DESIGN.md §5). Both after at least `bench.warmup_s` of
+    warm-up calls, so that a GPU idle during compilation is back at its clocks."""
     try:
-        return {"ms": round(median_ms(fn, *args, warmup=bench.warmup, iters=bench.iters,
-                                      warmup_s=bench.warmup_s), 4)}
+        if not back_to_back:
+            return {"ms": round(median_ms(fn, *args, warmup=bench.warmup, iters=bench.iters,
+                                          warmup_s=bench.warmup_s), 4)}
+        start = time.perf_counter()
+        while time.perf_counter() - start < bench.warmup_s:
+            jax.block_until_ready(fn(*args))
+        return {"ms": round(back_to_back_ms(fn, *args, calls=bench.iters,
+                                            repeats=BACK_TO_BACK_REPEATS,
+                                            warmup=bench.warmup), 4)}
     except Exception as error:
         return {"error": reason(error)}
 
@@ -192,7 +223,8 @@ def time_cell(bench: Bench, fn: Callable, *args) -> dict:
 def measure(bench: Bench, suite: str, label: str, config: dict, inputs: dict, causal: bool,
             flops: float, impls=("jax_dmattn", "cudnn", "xla"),
             overrides: dict | None = None) -> list[dict]:
-    """Times every implementation on `inputs` (or its entry of `overrides`): one row per pass.
+    """Times every implementation on `inputs` (or its entry of `overrides`): one row per pass,
+    back to back in the suites of BACK_TO_BACK.
 
     A row: {"label", "config", "pass", "flops" (of the pass), "results": {impl: cell}}, where a
     cell holds "ms" and "tflops", or "error".
@@ -201,7 +233,8 @@ def measure(bench: Bench, suite: str, label: str, config: dict, inputs: dict, ca
                 "flops": flops * (BWD_FACTOR if p == "fwd+bwd" else 1.0), "results": {}}
             for p in ("fwd", "fwd+bwd")}
     for impl in impls:
-        cells = time_impl(bench, impl, {**inputs, **(overrides or {}).get(impl, {})}, causal)
+        cells = time_impl(bench, impl, {**inputs, **(overrides or {}).get(impl, {})}, causal,
+                          back_to_back=suite in BACK_TO_BACK)
         for name, cell in cells.items():
             if "ms" in cell:
                 cell = {"ms": round(cell["ms"], 4),
@@ -375,6 +408,73 @@ def suite_density(bench: Bench) -> tuple[list[dict], list[str]]:
                   "at 100 % density", JAX_NN_MASK]
 
 
+# Issue 24's acceptance bounds for the forward+backward pass of the packed suite.
+PACKED_MAX_VS_BATCH = 1.15
+PACKED_MIN_VS_CUDNN = 5.0
+
+
+def packed_notes(rows: list[dict]) -> list[str]:
+    """Adds "packed_vs_batch" = jax_dmattn ms (packed, ids) / jax_dmattn_batch ms (the same
+    documents as a batch) to each row (None unless both ran); returns one note a pass with it and
+    cuDNN ms (dense mask) / jax_dmattn ms (the table's "speedup vs cuDNN"), against issue 24's
+    bounds for forward+backward."""
+    notes = []
+    for row in rows:
+        ms = {impl: cell.get("ms") for impl, cell in row["results"].items()}
+        ours, batch, cudnn = ms.get("jax_dmattn"), ms.get("jax_dmattn_batch"), ms.get("cudnn")
+        row["packed_vs_batch"] = round(ours / batch, 3) if ours and batch else None
+        bounds = row["pass"] == "fwd+bwd"
+        words = []
+        if row["packed_vs_batch"] is not None:
+            words.append(f"packed / batch = {row['packed_vs_batch']:.3f}×"
+                         + (f" (issue 24: ≤ {PACKED_MAX_VS_BATCH}×)" if bounds else ""))
+        if ours and cudnn:
+            words.append(f"cuDNN / packed = {cudnn / ours:.2f}×"
+                         + (f" (issue 24: ≥ {PACKED_MIN_VS_CUDNN:g}×)" if bounds else ""))
+        if words:
+            notes.append(f"{row['pass']}: " + "; ".join(words))
+    return notes
+
+
+def suite_packed(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Sequence packing (issue 24): D=128, H=16, causal, 8 documents of 2k tokens (ids 0..7, in
+    order) packed in one row [1, 16k] with segment ids, against the same documents as a batch
+    [8, 2k] and against cuDNN and xla on the packed row with the equivalent dense mask."""
+    heads, head_dim = (2, 128) if bench.quick else (16, 128)
+    documents, doc_len = (4, 128) if bench.quick else (8, 2048)
+    length = documents * doc_len
+    packed = qkv(1, length, heads, heads, head_dim)
+    ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), doc_len)[None]  # [1, L]
+    # the documents are contiguous, so the batch is a free reshape of the same data
+    batch = {name: x.reshape(documents, doc_len, *x.shape[2:]) for name, x in packed.items()}
+    # block-diagonal & causal [1, 1, L, L]; is_causal=True too, so that cuDNN skips the tiles
+    # above the diagonal as it would for a causal call
+    dense = ((ids[0][:, None] == ids[0][None, :])
+             & jnp.tril(jnp.ones((length, length), bool)))[None, None]
+    label = f"D={head_dim} L={kilo(length)} H={heads} causal {documents}x{kilo(doc_len)} docs"
+    config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=True,
+                  documents=documents, doc_len=doc_len)
+    flops = attention_flops(documents, heads, doc_len, doc_len, head_dim, True)
+    rows = measure(bench, "packed", label, config,
+                   {**packed, "mask": None, "bias": None, "segment_ids": ids}, True, flops,
+                   impls=("jax_dmattn", "jax_dmattn_batch", "cudnn", "xla"),
+                   overrides={"jax_dmattn_batch": {**batch, "segment_ids": None},
+                              "cudnn": {"mask": dense, "segment_ids": None},
+                              "xla": {"mask": dense, "segment_ids": None}})
+    free(packed, batch, ids, dense)
+    notes = [f"jax_dmattn: `flash_dmattn` on the packed row [1, {kilo(length)}] with "
+             f"q_segment_ids = kv_segment_ids = [1, {kilo(length)}] (ids 0..{documents - 1}, "
+             f"{kilo(doc_len)} tokens each); jax_dmattn (as a batch): `flash_dmattn` on the same "
+             f"documents as [{documents}, {kilo(doc_len)}] (no ids); cuDNN and xla: "
+             f"`jax.nn.dot_product_attention` on the packed row with the equivalent bool mask "
+             f"[1, 1, {kilo(length)}, {kilo(length)}] (same document & causal); all with "
+             "is_causal=True, no bias; gradients wrt q, k, v",
+             "TF/s counts the documents' causal FLOPs alone (4·documents·H·doc_len²·D / 2 "
+             "forward, 3.5× that forward+backward), the same for every implementation",
+             JAX_NN_MASK, *packed_notes(rows)]
+    return rows, notes
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def fmt_ms(ms: float) -> str:
@@ -426,7 +526,8 @@ def machine_info(on_gpu: bool) -> dict:
 
 
 def table(rows: list[dict], suite: str) -> list[str]:
-    """One markdown table: ms, TF/s, speedup vs cuDNN (and time / time at 100 % if present)."""
+    """One markdown table: ms, TF/s, speedup vs cuDNN (and time / time at 100 %, or packed /
+    batch, if present)."""
     impls = [i for i in IMPLS if any(i in r["results"] for r in rows)]
     mark = {i: "†" if suite == "dynamic" and i == "cudnn" else "" for i in impls}
     head = ["config", "pass"] + [f"{NAMES[i]}{mark[i]} ms" for i in impls]
@@ -434,6 +535,9 @@ def table(rows: list[dict], suite: str) -> list[str]:
     dense = any("vs_dense" in r for r in rows)
     if dense:
         head += [f"{NAMES[i]} / 100 %" for i in impls]
+    packed = any("packed_vs_batch" in r for r in rows)
+    if packed:
+        head += ["packed / batch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], r["pass"]]
@@ -445,13 +549,16 @@ def table(rows: list[dict], suite: str) -> list[str]:
         if dense:
             cells += [f"{r['vs_dense'][i]:.3f}" if r["vs_dense"].get(i) is not None else "n/a"
                       for i in impls]
+        if packed:
+            cells.append(f"{r['packed_vs_batch']:.3f}×" if r.get("packed_vs_batch") else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**meta, "suite": suite, "notes": notes}
+    timing = "back_to_back" if suite in BACK_TO_BACK else "median_per_call"
+    meta = {**meta, "suite": suite, "timing": timing, "notes": notes}
     (out / f"gpu_{suite}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
                                            + "\n")
     smoke = meta["smoke_test"]
@@ -466,8 +573,11 @@ def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict)
               f"(git {meta['git']}, implementation={meta['ours_implementation']!r}); "
               f"python {meta['python']}",
               f"- date: {meta['date']}",
-              f"- bf16, random normal inputs; median of {meta['iters']} timed calls after "
-              f"{meta['warmup']} warm-up call(s) and at least {meta.get('warmup_s', 0)} s of "
+              "- bf16, random normal inputs; "
+              + (f"per call of {meta['iters']} calls issued back to back and one "
+                 f"block_until_ready, best of {BACK_TO_BACK_REPEATS}, after "
+                 if timing == "back_to_back" else f"median of {meta['iters']} timed calls after ")
+              + f"{meta['warmup']} warm-up call(s) and at least {meta.get('warmup_s', 0)} s of "
               "warm-up calls, each waited on with block_until_ready; fwd = jit "
               "forward, fwd+bwd = jit of value_and_grad wrt q, k, v (and the bias when there is "
               "one); speedup vs cuDNN = cuDNN ms / jax_dmattn ms"]
@@ -479,11 +589,11 @@ def write(out: Path, suite: str, rows: list[dict], notes: list[str], meta: dict)
 def summary(results: dict[str, list[dict]]) -> None:
     say("\nsummary (ms; speedup = cuDNN / jax_dmattn)")
     say(f"{'suite':10s} {'config':34s} {'pass':9s} "
-        + " ".join(f"{NAMES[i][:12]:>12s}" for i in IMPLS) + f" {'speedup':>8s}")
+        + " ".join(f"{i:>16s}" for i in IMPLS) + f" {'speedup':>8s}")
     for suite, rows in results.items():
         for r in rows:
             ms = [r["results"].get(i, {}).get("ms") for i in IMPLS]
-            text = " ".join(f"{fmt_ms(m) if m is not None else 'n/a':>12s}" for m in ms)
+            text = " ".join(f"{fmt_ms(m) if m is not None else 'n/a':>16s}" for m in ms)
             speedup = f"{r['speedup_vs_cudnn']:.2f}×" if r.get("speedup_vs_cudnn") else "n/a"
             say(f"{suite:10s} {r['label']:34s} {r['pass']:9s} {text} {speedup:>8s}")
 
@@ -536,7 +646,7 @@ def main() -> None:
     say(f"device: {meta['device']} (driver {meta['driver']}); jax {meta['jax']}; "
         f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
     runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
-               "density": suite_density}
+               "density": suite_density, "packed": suite_packed}
     results = {}
     for suite in SUITES if args.suite == "all" else (args.suite,):
         rows, notes = runners[suite](bench)

@@ -2,7 +2,7 @@
 
     python benchmarks/plot_results.py benchmarks/results/gpu_<suite>.json [more.json ...]
 
-dense, bias_mask: grouped bars of TF/s per config, forward and forward+backward;
+dense, bias_mask, packed: grouped bars of TF/s per config, forward and forward+backward;
 dynamic: stacked bars of mask generation + forward + backward (ms) per config and implementation;
 density: time / time at 100 % density against the kept fraction, forward and forward+backward.
 """
@@ -15,11 +15,11 @@ import math
 import sys
 from pathlib import Path
 
-IMPLS = ("jax_dmattn", "jax_dmattn_mask", "cudnn", "xla")
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "cudnn", "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
-         "cudnn": "cuDNN", "xla": "xla (jax.nn)"}
-COLORS = {"jax_dmattn": "tab:blue", "jax_dmattn_mask": "tab:cyan", "cudnn": "tab:green",
-          "xla": "tab:gray"}
+         "jax_dmattn_batch": "jax_dmattn (as a batch)", "cudnn": "cuDNN", "xla": "xla (jax.nn)"}
+COLORS = {"jax_dmattn": "tab:blue", "jax_dmattn_mask": "tab:cyan",
+          "jax_dmattn_batch": "tab:purple", "cudnn": "tab:green", "xla": "tab:gray"}
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -138,7 +138,7 @@ def plot(path: Path) -> Path:
     meta, rows = data["meta"], data["rows"]
     suite = meta["suite"]
     drawers = {"dense": grouped_bars, "bias_mask": grouped_bars, "dynamic": stacked_bars,
-               "density": density_lines}
+               "density": density_lines, "packed": grouped_bars}
     fig = drawers[suite](plt, rows)
     title = f"{suite}: {meta['device']}, jax {meta['jax']}, bf16"
     if meta.get("smoke_test"):
