@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from jax_dmattn.params import AttentionParams
 from jax_dmattn.validation import as_array
 
 __all__ = [
+    "KeyRanges",
     "block_mask",
     "causal_mask",
     "padding_mask",
@@ -50,6 +52,32 @@ __all__ = [
 
 # Bits of the rank resolved per wavelet-matrix level: 16-way levels, so 4 levels up to 65536 keys.
 _RADIX_BITS = 4
+
+
+class KeyRanges(NamedTuple):
+    """A mask in O(Lk) form, for flash_dmattn's and dot_product_attention's ``mask``: key ``j``
+    is visible to exactly the query rows ``start[..., j] <= i < end[..., j]`` (and-ed with every
+    other rule), so ``start >= end`` hides the key from every row.
+
+    ``start`` and ``end``: integer arrays ``[B|1, H|Hk|1, Lk]`` (``[B|1, H|Hk|1, 1, Lk]`` too, as
+    :func:`topk_key_ranges` returns them for a bias ``[B, Hk, 1, Lk]``), values in ``[0, Lq]``;
+    size-1 dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``.
+    The CPU kernels skip a tile when no key of it has a range meeting the tile's rows; it is
+    equivalent to the bool mask ``(start[..., None, :] <= i) & (i < end[..., None, :])`` for
+    ``i = arange(Lq)[:, None]`` (:meth:`to_mask`).
+    """
+
+    start: jax.Array
+    end: jax.Array
+
+    def to_mask(self, seqlen_q: int) -> jax.Array:
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
+        CUDA kernels, which do not read key ranges yet)."""
+        start, end = (jnp.asarray(x) for x in (self.start, self.end))
+        if start.ndim == 4:
+            start, end = start[..., 0, :], end[..., 0, :]
+        i = jnp.arange(_check_int(seqlen_q, "seqlen_q", 1))[:, None]
+        return (start[..., None, :] <= i) & (i < end[..., None, :])
 
 
 # ---- argument checks --------------------------------------------------------------------------

@@ -4,7 +4,10 @@ oracle of every test.
 Shapes (leading batch dims ``*B`` may be several; other operands broadcast over them):
   q ``[*B, Lq, H, D]``, k and v ``[*B|1, Lk, Hk, D]``, mask and bias ``[*B|1, H|Hk|1, Lq|1, Lk|1]``,
   q_lens and kv_lens ``[*B|1]`` int32, q_segments ``[*B|1, Lq]`` and kv_segments ``[*B|1, Lk]``
-  int32 (query ``i`` sees key ``j`` only where their ids are equal). Returns
+  int32 (query ``i`` sees key ``j`` only where their ids are equal), key_start and key_end
+  ``[*B|1, H|Hk|1, 1, Lk]`` int32 (query ``i`` sees key ``j`` only where
+  ``key_start[j] <= i < key_end[j]``; expanded here to a mask, which the kernels never build).
+  Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
 
@@ -70,6 +73,8 @@ def attention(
     kv_lens: jax.Array | None = None,
     q_segments: jax.Array | None = None,
     kv_segments: jax.Array | None = None,
+    key_start: jax.Array | None = None,
+    key_end: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
     *_, seqlen_q, num_heads, _ = q.shape
@@ -93,6 +98,10 @@ def attention(
     visible = jnp.expand_dims(visible, (-4, -3))  # [*B|1, 1, 1, Lq, Lk]
     if mask is not None:
         visible = visible & _split_heads(mask, num_kv_heads, group)
+    if key_start is not None:
+        rows = jnp.arange(seqlen_q)[:, None]
+        in_range = (key_start <= rows) & (rows < key_end)  # [*B|1, Hr, Lq, Lk]
+        visible = visible & _split_heads(in_range, num_kv_heads, group)
 
     row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)

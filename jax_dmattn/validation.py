@@ -150,6 +150,47 @@ def check_seq_lengths(lengths, name: str, batch: int) -> jax.Array | None:
     return lengths
 
 
+def check_key_ranges(start, end, dims: Dims) -> tuple[jax.Array, jax.Array]:
+    """Key ranges (``masks.KeyRanges``): integer ``[B|1, H|Hk|1, Lk]`` each (``[B|1, H|Hk|1, 1,
+    Lk]``, the form :func:`jax_dmattn.masks.topk_key_ranges` returns for a bias ``[B, Hk, 1,
+    Lk]``, is accepted too).
+
+    Returns both as int32 ``[B|1, H|Hk|1, 1, Lk]`` of one shape (the smaller broadcast to the
+    other, O(B·H·Lk)): the kernels read them as a mask broadcast over query rows, through one
+    layout. Values are not bounded: the rule ``start <= i < end`` holds for any integers (a value
+    outside ``[0, Lq]`` acts as its nearest bound); where the arrays are concrete, values outside
+    ``[0, Lq]`` are rejected as a likely mistake."""
+    heads = sorted({1, dims.kv_heads, dims.heads})
+    expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {dims.seqlen_k}] "
+                "([B|1, H|Hk|1, Lk], or [B|1, H|Hk|1, 1, Lk])")
+    arrays = []
+    for x, name in ((start, "KeyRanges.start"), (end, "KeyRanges.end")):
+        x = as_array(x, name)
+        if x.ndim == 4 and x.shape[2] == 1:
+            x = x[:, :, 0]
+        if (x.ndim != 3 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
+                or x.shape[2] != dims.seqlen_k):
+            raise ValueError(f"{name} shape {x.shape} is not accepted; expected an integer array "
+                             f"of shape {expected}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array of shape {expected}, got dtype "
+                            f"{x.dtype.name}")
+        if not isinstance(x, jax.core.Tracer):
+            values = np.asarray(x)
+            if values.size and (values.min() < 0 or values.max() > dims.seqlen_q):
+                raise ValueError(
+                    f"{name} values must lie in [0, Lq] = [0, {dims.seqlen_q}] (query rows), got "
+                    f"values in [{values.min()}, {values.max()}]")
+        arrays.append(x.astype(jnp.int32))
+    try:
+        shape = jnp.broadcast_shapes(arrays[0].shape, arrays[1].shape)
+    except ValueError as e:
+        raise ValueError(f"KeyRanges.start and KeyRanges.end shapes {arrays[0].shape} and "
+                         f"{arrays[1].shape} do not broadcast together") from e
+    start, end = (jnp.broadcast_to(x, shape)[:, :, None, :] for x in arrays)
+    return start, end
+
+
 def check_segment_ids(q_segment_ids, kv_segment_ids,
                       dims: Dims) -> tuple[jax.Array | None, ...]:
     """Sequence-packing segment ids: integer ``[B|1, Lq]`` and ``[B|1, Lk]``, both or neither.

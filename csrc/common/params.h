@@ -78,6 +78,7 @@ struct BroadcastOperand {
 //   q, out, dout, dq: [*batch, Lq, H, D]   k, v: [*batch|1, Lk, Hk, D]   dk, dv: [*batch|1, ...]
 //   lse, softmax_d:   [*batch, H, Lq] fp32 q_lens, kv_lens: [*batch|1] int32
 //   q_segments: [*batch|1, Lq] int32     kv_segments: [*batch|1, Lk] int32 (the same batch dims)
+//   key_start, key_end: [*batch|1, H|Hk|1, 1, Lk] int32 (the same dims)
 // Gradients have their own layouts (dkv_batch, dbias): a gradient sums over exactly the dims where
 // ITS buffer has size 1, which may differ from where the input broadcasts (under vmap an unmapped
 // k or bias is read with stride 0 but its per-example gradient is full-size).
@@ -94,6 +95,9 @@ struct AttentionShape {
   // Sequence packing: key j is visible to query i only if q_segments[i] == kv_segments[j].
   BatchStrides segments_batch;  // in rows of ids: a row is Lq (q_segments) or Lk elements
   bool has_segments = false;
+  // Key ranges (an O(Lk) mask): key j is visible to query i only if key_start[j] <= i <
+  // key_end[j]. Laid out as a mask broadcast over rows; one layout for both arrays.
+  BroadcastOperand key_ranges;
   BroadcastOperand mask, bias;
   BroadcastOperand dbias;  // backward with a bias only
 
@@ -101,8 +105,8 @@ struct AttentionShape {
   float softcap = 0.f;  // 0: no softcap
   // Key j is visible to query i iff  i + diagonal_offset - window_left <= j
   //                               and j <= i + diagonal_offset + window_right,
-  // a window bound < 0 meaning unbounded; causal is window_right = 0. Lengths, segments and the
-  // mask apply too.
+  // a window bound < 0 meaning unbounded; causal is window_right = 0. Lengths, segments, key
+  // ranges and the mask apply too.
   int64_t diagonal_offset = 0;
   int64_t window_left = -1, window_right = -1;
   bool deterministic = false;
@@ -151,6 +155,8 @@ struct ForwardArgs {
   const int32_t* kv_lens = nullptr;
   const int32_t* q_segments = nullptr;
   const int32_t* kv_segments = nullptr;
+  const int32_t* key_start = nullptr;  // key ranges, or null
+  const int32_t* key_end = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
@@ -179,6 +185,8 @@ struct BackwardArgs {
   const int32_t* kv_lens = nullptr;
   const int32_t* q_segments = nullptr;
   const int32_t* kv_segments = nullptr;
+  const int32_t* key_start = nullptr;  // key ranges, or null
+  const int32_t* key_end = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

@@ -49,7 +49,7 @@ inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad
 }
 
 // s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
-// q_len / kv_len, in another segment, or masked out.
+// q_len / kv_len, in another segment, outside the key's range, or masked out.
 inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
                                 const bool* item_mask, const Tile& t, float* s) {
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
@@ -62,6 +62,13 @@ inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& ite
       const int32_t* __restrict keys = item.kv_segments + t.j0;
       for (int64_t c = vis.begin; c < vis.end; ++c)
         srow[c] = keys[c] == segment ? srow[c] : -INFINITY;
+    }
+    if (item.key_start != nullptr && !vis.empty()) {
+      const int32_t i = static_cast<int32_t>(t.i0 + r);
+      const int32_t* __restrict start = item.key_start + t.j0;
+      const int32_t* __restrict end = item.key_end + t.j0;
+      for (int64_t c = vis.begin; c < vis.end; ++c)
+        srow[c] = (start[c] <= i && i < end[c]) ? srow[c] : -INFINITY;
     }
     if (item_mask == nullptr || vis.empty()) continue;
     // Read as bytes: g++ vectorises this select, but not the same loop over bool.

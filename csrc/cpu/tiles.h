@@ -35,9 +35,12 @@ struct HeadItem {
   // The item's segment ids (query i sees key j only where they are equal), or null.
   const int32_t* q_segments = nullptr;  // [Lq]
   const int32_t* kv_segments = nullptr;  // [Lk]
+  // The item's key ranges (key j is visible to rows [key_start[j], key_end[j])), or null.
+  const int32_t* key_start = nullptr;  // [Lk]
+  const int32_t* key_end = nullptr;    // [Lk]
 };
 
-// Args: ForwardArgs or BackwardArgs (their lengths and segment ids).
+// Args: ForwardArgs or BackwardArgs (their lengths, segment ids and key ranges).
 template <typename Args>
 HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, int64_t h) {
   HeadItem item;
@@ -52,6 +55,11 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
     const int64_t row = shape.segments_batch.offset(shape.batch, b);
     item.q_segments = args.q_segments + row * shape.seqlen_q;
     item.kv_segments = args.kv_segments + row * shape.seqlen_k;
+  }
+  if (shape.key_ranges.present) {
+    const int64_t at = shape.key_ranges.offset(shape.batch, b, h);
+    item.key_start = args.key_start + at;
+    item.key_end = args.key_end + at;
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -170,13 +178,28 @@ inline bool TileSegmentsMeet(const HeadItem& item, const Tile& t) {
   return *q_lo <= *k_hi && *k_lo <= *q_hi;
 }
 
-// Whether any (row, key) of the tile is visible: the segments' ranges and the diagonal/window
-// rule first, then an OR over the mask entries they leave (upstream's __syncthreads_or). A false
-// answer means the tile is skipped: no K/V/bias loads, no math. item_mask is null when there is
-// no mask.
+// Whether some key of the tile is visible to some row of it by its key range: [start, end)
+// meets [i0, i0 + rows). Exact per key, so a tile of empty or disjoint ranges is skipped; O(cols)
+// next to the tile's O(rows * cols * D) work.
+inline bool TileKeyRangesMeet(const HeadItem& item, const Tile& t) {
+  if (item.key_start == nullptr) return true;
+  const int64_t i_end = t.i0 + t.rows;
+  for (int64_t c = 0; c < t.cols; ++c) {
+    const int64_t lo = std::max<int64_t>(item.key_start[t.j0 + c], t.i0);
+    const int64_t hi = std::min<int64_t>(item.key_end[t.j0 + c], i_end);
+    if (lo < hi) return true;
+  }
+  return false;
+}
+
+// Whether any (row, key) of the tile is visible: the segment ids' spans, the key ranges and the
+// diagonal/window rule first, then an OR over the mask entries they leave (upstream's
+// __syncthreads_or). A false answer means the tile is skipped: no K/V/bias loads, no math.
+// item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t)) return false;
+  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileKeyRangesMeet(item, t))
+    return false;
   // Row ranges only move right, so the rule leaves the whole tile when the last row starts at
   // column 0 and the first row ends at the last column: the common case, scanned block-wise.
   const bool whole_tile = RowVisibleCols(shape, item, t, t.rows - 1).begin == 0 &&

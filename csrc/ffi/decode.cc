@@ -216,6 +216,21 @@ ffi::Error DecodeSegments(ffi::AnyBuffer q_segments, ffi::AnyBuffer kv_segments,
   return ffi::Error::Success();
 }
 
+// Key ranges: int32 [*batch|1, H|Hk|1, 1, Lk] twice, with the same dims (start, end).
+ffi::Error DecodeKeyRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, AttentionShape* s) {
+  const auto sd = start.dimensions();
+  const int r = s->batch.rank;
+  const bool ok = start.element_type() == ffi::DataType::S32 &&
+                  end.element_type() == ffi::DataType::S32 && SameDims(sd, end.dimensions()) &&
+                  static_cast<int>(sd.size()) == r + 3 && sd[r + 1] == 1 &&
+                  sd[r + 2] == s->seqlen_k;
+  if (!ok) {
+    return Invalid("key ranges must be int32 [*batch, H|Hk|1, 1, Lk] twice with the same dims, "
+                   "got " + DimsString(sd) + " and " + DimsString(end.dimensions()));
+  }
+  return DecodeBroadcastOperand(start, *s, "key ranges", &s->key_ranges);
+}
+
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
 // the call's pointers (ForwardArgs or BackwardArgs).
 template <typename Args>
@@ -248,6 +263,13 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
     if (auto e = DecodeSegments(qs, ks, s); e.failure()) return e;
     p->q_segments = static_cast<const int32_t*>(qs.untyped_data());
     p->kv_segments = static_cast<const int32_t*>(ks.untyped_data());
+  }
+  if (attrs.has_key_ranges) {
+    DMATTN_ASSIGN_OR_RETURN(ks, cursor.Next("key_start"));
+    DMATTN_ASSIGN_OR_RETURN(ke, cursor.Next("key_end"));
+    if (auto e = DecodeKeyRanges(ks, ke, s); e.failure()) return e;
+    p->key_start = static_cast<const int32_t*>(ks.untyped_data());
+    p->key_end = static_cast<const int32_t*>(ke.untyped_data());
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));

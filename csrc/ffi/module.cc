@@ -54,6 +54,7 @@ nb::dict BuildInfo() {
   // The FFI API version the handlers were compiled against: a jaxlib older than it refuses them.
   info["xla_ffi_api"] = std::vector<int>{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
   info["segments"] = true;  // the CPU kernels read segment ids
+  info["key_ranges"] = true;  // and key ranges (the CUDA kernels do not)
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};

@@ -92,7 +92,9 @@ class _Layout:
         extras = (["mask"] if self.opts.has_mask else []) + (["bias"] if self.opts.has_bias
                                                              else [])
         return (head + extras + (["lens", "lens"] if self.opts.has_seqlens else [])
-                + (["qseg", "kvseg"] if self.opts.has_segments else []))
+                + (["qseg", "kvseg"] if self.opts.has_segments else [])
+                # Key ranges are laid out as a mask broadcast over rows, and sharded as one.
+                + (["ranges", "ranges"] if self.opts.has_key_ranges else []))
 
 
 def _shard_count(mesh, axes) -> int:
@@ -138,7 +140,7 @@ def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
     opts = layout.opts
     if seq_shards == 1 or not context_parallel.ring_supported(
             params, opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards,
-            opts.has_segments):
+            opts.has_segments or opts.has_key_ranges):
         seq_axes = None
     return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
 
@@ -297,7 +299,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # The sequences may stay sharded where the partition callback can run the call as a ring
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
-                                               layout.seqlen_k, opts.has_segments)
+                                               layout.seqlen_k,
+                                               opts.has_segments or opts.has_key_ranges)
     factors = (d, kc) if ringable else (lq, lk, d, kc)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
