@@ -4,7 +4,8 @@ Both validate their arguments at trace time, normalise them to the one operation
 differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs). Both
 take sequence-packing segment ids: query ``i`` of batch entry ``b`` sees key ``j`` only where
 ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of every other rule. Both take a mask in
-O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, in place of the bool mask.
+O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, or in O(Lq) form,
+:class:`jax_dmattn.masks.RowRanges`, in place of the bool mask (one of the three per call).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def flash_dmattn(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    mask: jax.Array | masks.KeyRanges | None = None,
+    mask: jax.Array | masks.KeyRanges | masks.RowRanges | None = None,
     bias: jax.Array | None = None,
     *,
     q_segment_ids: jax.Array | None = None,
@@ -43,7 +44,10 @@ def flash_dmattn(
         without copies. Tiles where it is all False are skipped. Or a
         :class:`~jax_dmattn.masks.KeyRanges` (start, end int ``[B|1, H|Hk|1, Lk]``): key ``j``
         visible to rows ``start[..., j] <= i < end[..., j]``, never expanded to ``[Lq, Lk]`` by
-        the CPU kernels (the CUDA kernels do not read it yet: the GPU runs the reference).
+        the CPU kernels (the CUDA kernels do not read it yet: the GPU runs the reference). Or a
+        :class:`~jax_dmattn.masks.RowRanges` (start, end int ``[B|1, H|Hk|1, Lq]``): row ``i``
+        sees keys ``start[..., i] <= j < end[..., i]``, likewise. One of the three: key and row
+        ranges cannot be given together (pass the dense and of their ``to_mask`` forms).
       bias: optional floating array of the mask's shape rule, added to the logits; differentiable
         (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
       q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to
@@ -76,18 +80,22 @@ def flash_dmattn(
         deterministic=bool(deterministic),
         implementation=implementation,
     )
-    mask, key_start, key_end = _mask_or_key_ranges(mask, dims)
+    mask, key_start, key_end, row_start, row_end = _mask_or_ranges(mask, dims)
     out, lse = core.attention(params, q, k, v, mask, validation.check_bias(bias, dims, q.dtype),
-                              None, None, q_segments, kv_segments, key_start, key_end)
+                              None, None, q_segments, kv_segments, key_start, key_end, row_start,
+                              row_end)
     return (out, lse) if return_lse else out
 
 
-def _mask_or_key_ranges(mask, dims: validation.Dims) -> tuple[jax.Array | None, ...]:
-    """``(mask, key_start, key_end)``: a bool mask checked, or key ranges checked and normalised
-    (``validation.check_key_ranges``); the others None."""
+def _mask_or_ranges(mask, dims: validation.Dims) -> tuple[jax.Array | None, ...]:
+    """``(mask, key_start, key_end, row_start, row_end)``: a bool mask checked, or key or row
+    ranges checked and normalised (``validation.check_key_ranges`` / ``check_row_ranges``); the
+    others None."""
     if isinstance(mask, masks.KeyRanges):
-        return None, *validation.check_key_ranges(mask.start, mask.end, dims)
-    return validation.check_mask(mask, dims), None, None
+        return None, *validation.check_key_ranges(mask.start, mask.end, dims), None, None
+    if isinstance(mask, masks.RowRanges):
+        return None, None, None, *validation.check_row_ranges(mask.start, mask.end, dims)
+    return validation.check_mask(mask, dims), None, None, None, None
 
 
 def dot_product_attention(
@@ -95,7 +103,7 @@ def dot_product_attention(
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None = None,
-    mask: jax.Array | masks.KeyRanges | None = None,
+    mask: jax.Array | masks.KeyRanges | masks.RowRanges | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -117,8 +125,10 @@ def dot_product_attention(
     ``j`` only where ``q_segment_ids[b, i] == kv_segment_ids[b, j]`` (sequence packing), and-ed
     with the other rules. ``mask`` may also be a :class:`jax_dmattn.masks.KeyRanges` (an
     addition: start, end ``[B|1, N|K|1, S]``, ``[N|K|1, S]`` for 3-D inputs; key ``j`` visible
-    to queries ``start[..., j] <= i < end[..., j]``). ``is_causal`` is top-left aligned (query
-    ``i`` sees keys ``j <= i``);
+    to queries ``start[..., j] <= i < end[..., j]``) or a :class:`jax_dmattn.masks.RowRanges`
+    (start, end ``[B|1, N|K|1, T]``, ``[N|K|1, T]`` for 3-D inputs; query ``i`` sees keys
+    ``start[..., i] <= j < end[..., i]``), one of the three. ``is_causal`` is top-left aligned
+    (query ``i`` sees keys ``j <= i``);
     ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
@@ -138,12 +148,12 @@ def dot_product_attention(
     def as_4d(x):
         return None if x is None else jnp.reshape(x, (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
 
-    if isinstance(mask, masks.KeyRanges):
-        if unbatched:  # [N|K|1, S] -> [1, N|K|1, S]
-            mask = masks.KeyRanges(*(jnp.expand_dims(jnp.asarray(x), 0) for x in mask))
-        mask, key_start, key_end = _mask_or_key_ranges(mask, dims)
+    if isinstance(mask, (masks.KeyRanges, masks.RowRanges)):
+        if unbatched:  # [N|K|1, S|T] -> [1, N|K|1, S|T]
+            mask = type(mask)(*(jnp.expand_dims(jnp.asarray(x), 0) for x in mask))
+        mask, key_start, key_end, row_start, row_end = _mask_or_ranges(mask, dims)
     else:
-        mask, key_start, key_end = _mask_or_key_ranges(as_4d(mask), dims)
+        mask, key_start, key_end, row_start, row_end = _mask_or_ranges(as_4d(mask), dims)
     bias = validation.check_bias(as_4d(bias), dims, q.dtype)
     q_lens = validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", dims.batch)
     kv_lens = validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths",
@@ -166,7 +176,7 @@ def dot_product_attention(
         implementation=implementation,
     )
     out, lse = core.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                              kv_segments, key_start, key_end)
+                              kv_segments, key_start, key_end, row_start, row_end)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:

@@ -41,6 +41,7 @@ from jax_dmattn.validation import as_array
 
 __all__ = [
     "KeyRanges",
+    "RowRanges",
     "block_mask",
     "causal_mask",
     "padding_mask",
@@ -62,9 +63,11 @@ class KeyRanges(NamedTuple):
     ``start`` and ``end``: integer arrays ``[B|1, H|Hk|1, Lk]`` (``[B|1, H|Hk|1, 1, Lk]`` too, as
     :func:`topk_key_ranges` returns them for a bias ``[B, Hk, 1, Lk]``), values in ``[0, Lq]``;
     size-1 dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``.
-    The CPU kernels skip a tile when no key of it has a range meeting the tile's rows; it is
-    equivalent to the bool mask ``(start[..., None, :] <= i) & (i < end[..., None, :])`` for
-    ``i = arange(Lq)[:, None]`` (:meth:`to_mask`).
+    It takes the place of the bool mask, so it cannot be given together with a bool mask or
+    :class:`RowRanges` (one ``mask`` argument). The CPU kernels skip a tile when no key of it
+    has a range meeting the tile's rows; it is equivalent to the bool mask
+    ``(start[..., None, :] <= i) & (i < end[..., None, :])`` for ``i = arange(Lq)[:, None]``
+    (:meth:`to_mask`).
     """
 
     start: jax.Array
@@ -78,6 +81,33 @@ class KeyRanges(NamedTuple):
             start, end = start[..., 0, :], end[..., 0, :]
         i = jnp.arange(_check_int(seqlen_q, "seqlen_q", 1))[:, None]
         return (start[..., None, :] <= i) & (i < end[..., None, :])
+
+
+class RowRanges(NamedTuple):
+    """A mask in O(Lq) form, the mirror of :class:`KeyRanges`, for flash_dmattn's and
+    dot_product_attention's ``mask``: query row ``i`` sees exactly the keys
+    ``start[..., i] <= j < end[..., i]`` (and-ed with every other rule), so ``start >= end``
+    leaves the row no key (its output is 0 and its lse -inf, as for any row with no visible key).
+
+    ``start`` and ``end``: integer arrays ``[B|1, H|Hk|1, Lq]``, values in ``[0, Lk]``; size-1
+    dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``. It takes
+    the place of the bool mask, so a call takes a bool mask, key ranges or row ranges, never two
+    of them (the one ``mask`` argument holds one; where two are needed, pass the dense and of
+    their :meth:`to_mask` forms). The CPU kernels skip a tile when no row of it has a range
+    meeting the tile's key columns; it is equivalent to the bool mask
+    ``(start[..., :, None] <= j) & (j < end[..., :, None])`` for ``j = arange(Lk)``
+    (:meth:`to_mask`).
+    """
+
+    start: jax.Array
+    end: jax.Array
+
+    def to_mask(self, seqlen_k: int) -> jax.Array:
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
+        CUDA kernels, which do not read row ranges yet)."""
+        start, end = (jnp.asarray(x) for x in (self.start, self.end))
+        j = jnp.arange(_check_int(seqlen_k, "seqlen_k", 1))
+        return (start[..., :, None] <= j) & (j < end[..., :, None])
 
 
 # ---- argument checks --------------------------------------------------------------------------

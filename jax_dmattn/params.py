@@ -18,7 +18,8 @@ class AttentionParams:
     (a bound < 0 is unbounded; causal is ``window_right = 0``), ``j`` is below the key length and
     ``i`` below the query length of its batch entry, query ``i`` and key ``j`` have the same
     segment id (sequence packing, where segment ids are given), ``key_start[j] <= i <
-    key_end[j]`` (where key ranges are given), and the mask (if any) is True there.
+    key_end[j]`` (where key ranges are given), ``row_start[i] <= j < row_end[i]`` (where row
+    ranges are given), and the mask (if any) is True there.
     """
 
     scale: float
@@ -30,7 +31,8 @@ class AttentionParams:
     implementation: str | None = None
 
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
-                       has_segments: bool = False, has_key_ranges: bool = False) -> dict:
+                       has_segments: bool = False, has_key_ranges: bool = False,
+                       has_row_ranges: bool = False) -> dict:
         """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
         return dict(
             scale=np.float32(self.scale),
@@ -43,5 +45,6 @@ class AttentionParams:
             has_seqlens=has_seqlens,
             has_segments=has_segments,
             has_key_ranges=has_key_ranges,
+            has_row_ranges=has_row_ranges,
             deterministic=self.deterministic,
         )

@@ -6,7 +6,9 @@ Shapes (leading batch dims ``*B`` may be several; other operands broadcast over 
   q_lens and kv_lens ``[*B|1]`` int32, q_segments ``[*B|1, Lq]`` and kv_segments ``[*B|1, Lk]``
   int32 (query ``i`` sees key ``j`` only where their ids are equal), key_start and key_end
   ``[*B|1, H|Hk|1, 1, Lk]`` int32 (query ``i`` sees key ``j`` only where
-  ``key_start[j] <= i < key_end[j]``; expanded here to a mask, which the kernels never build).
+  ``key_start[j] <= i < key_end[j]``; expanded here to a mask, which the kernels never build),
+  row_start and row_end ``[*B|1, H|Hk|1, Lq, 1]`` int32 (query ``i`` sees key ``j`` only where
+  ``row_start[i] <= j < row_end[i]``; likewise expanded).
   Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
@@ -75,6 +77,8 @@ def attention(
     kv_segments: jax.Array | None = None,
     key_start: jax.Array | None = None,
     key_end: jax.Array | None = None,
+    row_start: jax.Array | None = None,
+    row_end: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
     *_, seqlen_q, num_heads, _ = q.shape
@@ -101,6 +105,10 @@ def attention(
     if key_start is not None:
         rows = jnp.arange(seqlen_q)[:, None]
         in_range = (key_start <= rows) & (rows < key_end)  # [*B|1, Hr, Lq, Lk]
+        visible = visible & _split_heads(in_range, num_kv_heads, group)
+    if row_start is not None:
+        cols = jnp.arange(seqlen_k)
+        in_range = (row_start <= cols) & (cols < row_end)  # [*B|1, Hr, Lq, Lk]
         visible = visible & _split_heads(in_range, num_kv_heads, group)
 
     row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)

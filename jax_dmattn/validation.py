@@ -160,16 +160,42 @@ def check_key_ranges(start, end, dims: Dims) -> tuple[jax.Array, jax.Array]:
     layout. Values are not bounded: the rule ``start <= i < end`` holds for any integers (a value
     outside ``[0, Lq]`` acts as its nearest bound); where the arrays are concrete, values outside
     ``[0, Lq]`` are rejected as a likely mistake."""
+    start, end = _check_ranges(start, end, dims, "KeyRanges", dims.seqlen_k, "Lk",
+                               dims.seqlen_q, "Lq", "query rows", unit_axis=2)
+    return start[:, :, None, :], end[:, :, None, :]
+
+
+def check_row_ranges(start, end, dims: Dims) -> tuple[jax.Array, jax.Array]:
+    """Row ranges (``masks.RowRanges``): integer ``[B|1, H|Hk|1, Lq]`` each (the normalised
+    ``[B|1, H|Hk|1, Lq, 1]`` is accepted too).
+
+    Returns both as int32 ``[B|1, H|Hk|1, Lq, 1]`` of one shape (the smaller broadcast to the
+    other, O(B·H·Lq)): the kernels read them as a mask broadcast over key columns, through one
+    layout. As for key ranges, traced values are not bounded (a value outside ``[0, Lk]`` acts as
+    its nearest bound); concrete values outside ``[0, Lk]`` are rejected."""
+    start, end = _check_ranges(start, end, dims, "RowRanges", dims.seqlen_q, "Lq",
+                               dims.seqlen_k, "Lk", "key columns", unit_axis=3)
+    return start[..., None], end[..., None]
+
+
+def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: str, bound: int,
+                  bound_name: str, bound_what: str,
+                  unit_axis: int) -> tuple[jax.Array, jax.Array]:
+    """The checks key and row ranges share: ``start`` and ``end`` integer ``[B|1, H|Hk|1,
+    length]`` (or 4-D with a size-1 dim at `unit_axis`), concrete values in ``[0, bound]``;
+    returns both int32 ``[B|1, H|Hk|1, length]`` broadcast to one shape."""
     heads = sorted({1, dims.kv_heads, dims.heads})
-    expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {dims.seqlen_k}] "
-                "([B|1, H|Hk|1, Lk], or [B|1, H|Hk|1, 1, Lk])")
+    four_d = ["B|1", "H|Hk|1", length_name]
+    four_d.insert(unit_axis, "1")
+    expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {length}] "
+                f"([B|1, H|Hk|1, {length_name}], or [{', '.join(four_d)}])")
     arrays = []
-    for x, name in ((start, "KeyRanges.start"), (end, "KeyRanges.end")):
+    for x, name in ((start, f"{kind}.start"), (end, f"{kind}.end")):
         x = as_array(x, name)
-        if x.ndim == 4 and x.shape[2] == 1:
-            x = x[:, :, 0]
+        if x.ndim == 4 and x.shape[unit_axis] == 1:
+            x = jnp.squeeze(x, unit_axis)
         if (x.ndim != 3 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
-                or x.shape[2] != dims.seqlen_k):
+                or x.shape[2] != length):
             raise ValueError(f"{name} shape {x.shape} is not accepted; expected an integer array "
                              f"of shape {expected}")
         if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -177,18 +203,17 @@ def check_key_ranges(start, end, dims: Dims) -> tuple[jax.Array, jax.Array]:
                             f"{x.dtype.name}")
         if not isinstance(x, jax.core.Tracer):
             values = np.asarray(x)
-            if values.size and (values.min() < 0 or values.max() > dims.seqlen_q):
+            if values.size and (values.min() < 0 or values.max() > bound):
                 raise ValueError(
-                    f"{name} values must lie in [0, Lq] = [0, {dims.seqlen_q}] (query rows), got "
-                    f"values in [{values.min()}, {values.max()}]")
+                    f"{name} values must lie in [0, {bound_name}] = [0, {bound}] ({bound_what}), "
+                    f"got values in [{values.min()}, {values.max()}]")
         arrays.append(x.astype(jnp.int32))
     try:
         shape = jnp.broadcast_shapes(arrays[0].shape, arrays[1].shape)
     except ValueError as e:
-        raise ValueError(f"KeyRanges.start and KeyRanges.end shapes {arrays[0].shape} and "
+        raise ValueError(f"{kind}.start and {kind}.end shapes {arrays[0].shape} and "
                          f"{arrays[1].shape} do not broadcast together") from e
-    start, end = (jnp.broadcast_to(x, shape)[:, :, None, :] for x in arrays)
-    return start, end
+    return tuple(jnp.broadcast_to(x, shape) for x in arrays)
 
 
 def check_segment_ids(q_segment_ids, kv_segment_ids,

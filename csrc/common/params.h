@@ -79,6 +79,7 @@ struct BroadcastOperand {
 //   lse, softmax_d:   [*batch, H, Lq] fp32 q_lens, kv_lens: [*batch|1] int32
 //   q_segments: [*batch|1, Lq] int32     kv_segments: [*batch|1, Lk] int32 (the same batch dims)
 //   key_start, key_end: [*batch|1, H|Hk|1, 1, Lk] int32 (the same dims)
+//   row_start, row_end: [*batch|1, H|Hk|1, Lq, 1] int32 (the same dims)
 // Gradients have their own layouts (dkv_batch, dbias): a gradient sums over exactly the dims where
 // ITS buffer has size 1, which may differ from where the input broadcasts (under vmap an unmapped
 // k or bias is read with stride 0 but its per-example gradient is full-size).
@@ -98,6 +99,9 @@ struct AttentionShape {
   // Key ranges (an O(Lk) mask): key j is visible to query i only if key_start[j] <= i <
   // key_end[j]. Laid out as a mask broadcast over rows; one layout for both arrays.
   BroadcastOperand key_ranges;
+  // Row ranges (an O(Lq) mask, the mirror): query i sees key j only if row_start[i] <= j <
+  // row_end[i]. Laid out as a mask broadcast over columns; one layout for both arrays.
+  BroadcastOperand row_ranges;
   BroadcastOperand mask, bias;
   BroadcastOperand dbias;  // backward with a bias only
 
@@ -106,7 +110,7 @@ struct AttentionShape {
   // Key j is visible to query i iff  i + diagonal_offset - window_left <= j
   //                               and j <= i + diagonal_offset + window_right,
   // a window bound < 0 meaning unbounded; causal is window_right = 0. Lengths, segments, key
-  // ranges and the mask apply too.
+  // and row ranges and the mask apply too.
   int64_t diagonal_offset = 0;
   int64_t window_left = -1, window_right = -1;
   bool deterministic = false;
@@ -157,6 +161,8 @@ struct ForwardArgs {
   const int32_t* kv_segments = nullptr;
   const int32_t* key_start = nullptr;  // key ranges, or null
   const int32_t* key_end = nullptr;
+  const int32_t* row_start = nullptr;  // row ranges, or null
+  const int32_t* row_end = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
@@ -187,6 +193,8 @@ struct BackwardArgs {
   const int32_t* kv_segments = nullptr;
   const int32_t* key_start = nullptr;  // key ranges, or null
   const int32_t* key_end = nullptr;
+  const int32_t* row_start = nullptr;  // row ranges, or null
+  const int32_t* row_end = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

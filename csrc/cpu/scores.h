@@ -49,7 +49,7 @@ inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad
 }
 
 // s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
-// q_len / kv_len, in another segment, outside the key's range, or masked out.
+// q_len / kv_len, in another segment, outside the key's range or the row's range, or masked out.
 inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
                                 const bool* item_mask, const Tile& t, float* s) {
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
@@ -69,6 +69,12 @@ inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& ite
       const int32_t* __restrict end = item.key_end + t.j0;
       for (int64_t c = vis.begin; c < vis.end; ++c)
         srow[c] = (start[c] <= i && i < end[c]) ? srow[c] : -INFINITY;
+    }
+    if (item.row_start != nullptr && !vis.empty()) {
+      // The row's range in tile columns: j = j0 + c is visible iff start <= j < end.
+      const int64_t lo = item.row_start[t.i0 + r] - t.j0, hi = item.row_end[t.i0 + r] - t.j0;
+      for (int64_t c = vis.begin; c < vis.end; ++c)
+        srow[c] = (lo <= c && c < hi) ? srow[c] : -INFINITY;
     }
     if (item_mask == nullptr || vis.empty()) continue;
     // Read as bytes: g++ vectorises this select, but not the same loop over bool.

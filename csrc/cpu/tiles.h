@@ -38,9 +38,12 @@ struct HeadItem {
   // The item's key ranges (key j is visible to rows [key_start[j], key_end[j])), or null.
   const int32_t* key_start = nullptr;  // [Lk]
   const int32_t* key_end = nullptr;    // [Lk]
+  // The item's row ranges (row i sees keys [row_start[i], row_end[i])), or null.
+  const int32_t* row_start = nullptr;  // [Lq]
+  const int32_t* row_end = nullptr;    // [Lq]
 };
 
-// Args: ForwardArgs or BackwardArgs (their lengths, segment ids and key ranges).
+// Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges).
 template <typename Args>
 HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, int64_t h) {
   HeadItem item;
@@ -60,6 +63,11 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
     const int64_t at = shape.key_ranges.offset(shape.batch, b, h);
     item.key_start = args.key_start + at;
     item.key_end = args.key_end + at;
+  }
+  if (shape.row_ranges.present) {
+    const int64_t at = shape.row_ranges.offset(shape.batch, b, h);
+    item.row_start = args.row_start + at;
+    item.row_end = args.row_end + at;
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -192,16 +200,31 @@ inline bool TileKeyRangesMeet(const HeadItem& item, const Tile& t) {
   return false;
 }
 
-// Whether any (row, key) of the tile is visible: the segment ids' spans, the key ranges and the
-// diagonal/window rule first, then an OR over the mask entries they leave (upstream's
+// Whether some row of the tile sees some key of it by its row range: [start, end) meets
+// [j0, j0 + cols). Exact per row, so a tile of empty or disjoint ranges is skipped; O(rows).
+inline bool TileRowRangesMeet(const HeadItem& item, const Tile& t) {
+  if (item.row_start == nullptr) return true;
+  const int64_t j_end = t.j0 + t.cols;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t lo = std::max<int64_t>(item.row_start[t.i0 + r], t.j0);
+    const int64_t hi = std::min<int64_t>(item.row_end[t.i0 + r], j_end);
+    if (lo < hi) return true;
+  }
+  return false;
+}
+
+// Whether any (row, key) of the tile is visible: the segment ids' spans, the key and row ranges
+// and the diagonal/window rule first, then an OR over the mask entries they leave (upstream's
 // __syncthreads_or). A false answer means the tile is skipped: no K/V/bias loads, no math.
 // item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileKeyRangesMeet(item, t))
+  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileKeyRangesMeet(item, t) ||
+      !TileRowRangesMeet(item, t))
     return false;
-  // Row ranges only move right, so the rule leaves the whole tile when the last row starts at
-  // column 0 and the first row ends at the last column: the common case, scanned block-wise.
+  // The rule's visible columns only move right down the rows, so it leaves the whole tile when
+  // the last row starts at column 0 and the first row ends at the last column: the common case,
+  // scanned block-wise.
   const bool whole_tile = RowVisibleCols(shape, item, t, t.rows - 1).begin == 0 &&
                           RowVisibleCols(shape, item, t, 0).end == t.cols;
   if (whole_tile && item_mask == nullptr) return true;

@@ -231,6 +231,21 @@ ffi::Error DecodeKeyRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, AttentionSh
   return DecodeBroadcastOperand(start, *s, "key ranges", &s->key_ranges);
 }
 
+// Row ranges: int32 [*batch|1, H|Hk|1, Lq, 1] twice, with the same dims (start, end).
+ffi::Error DecodeRowRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, AttentionShape* s) {
+  const auto sd = start.dimensions();
+  const int r = s->batch.rank;
+  const bool ok = start.element_type() == ffi::DataType::S32 &&
+                  end.element_type() == ffi::DataType::S32 && SameDims(sd, end.dimensions()) &&
+                  static_cast<int>(sd.size()) == r + 3 && sd[r + 1] == s->seqlen_q &&
+                  sd[r + 2] == 1;
+  if (!ok) {
+    return Invalid("row ranges must be int32 [*batch, H|Hk|1, Lq, 1] twice with the same dims, "
+                   "got " + DimsString(sd) + " and " + DimsString(end.dimensions()));
+  }
+  return DecodeBroadcastOperand(start, *s, "row ranges", &s->row_ranges);
+}
+
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
 // the call's pointers (ForwardArgs or BackwardArgs).
 template <typename Args>
@@ -270,6 +285,13 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
     if (auto e = DecodeKeyRanges(ks, ke, s); e.failure()) return e;
     p->key_start = static_cast<const int32_t*>(ks.untyped_data());
     p->key_end = static_cast<const int32_t*>(ke.untyped_data());
+  }
+  if (attrs.has_row_ranges) {
+    DMATTN_ASSIGN_OR_RETURN(rs, cursor.Next("row_start"));
+    DMATTN_ASSIGN_OR_RETURN(re, cursor.Next("row_end"));
+    if (auto e = DecodeRowRanges(rs, re, s); e.failure()) return e;
+    p->row_start = static_cast<const int32_t*>(rs.untyped_data());
+    p->row_end = static_cast<const int32_t*>(re.untyped_data());
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));

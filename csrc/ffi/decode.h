@@ -2,10 +2,11 @@
 //
 // Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
 //   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
-//                  [key_start, key_end], [mask_map, mask_bits]
+//                  [key_start, key_end], [row_start, row_end], [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
-//                  [q_segments, kv_segments], [key_start, key_end], [mask_map, mask_bits]
+//                  [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
+//                  [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
@@ -31,6 +32,7 @@ struct AttentionAttrs {
   bool has_seqlens;
   bool has_segments;
   bool has_key_ranges;
+  bool has_row_ranges;
   bool deterministic;
 };
 
@@ -77,4 +79,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_mask"), ::xla::ffi::StructMember<bool>("has_bias"),
     ::xla::ffi::StructMember<bool>("has_seqlens"), ::xla::ffi::StructMember<bool>("has_segments"),
     ::xla::ffi::StructMember<bool>("has_key_ranges"),
+    ::xla::ffi::StructMember<bool>("has_row_ranges"),
     ::xla::ffi::StructMember<bool>("deterministic"));

@@ -1,13 +1,13 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-Attention: an unmapped mask, bias, length, segment id or key range array gets a size-1 dim there
-(a free reshape) and is read with stride 0, so vmap never copies it; k and v likewise when both
-are unmapped, and so are the two lengths, the two segment id arrays and the two key range arrays
-(each pair is read through one set of batch strides: where only one of a pair is mapped, the
-other is broadcast, O(L) int32). The
-query-shaped operands (q, and out/dout/lse/dlse in the backward) define the batch: one of them
-unmapped while another operand is mapped is broadcast, which copies a query-sized array, and so
-is k or v when only the other one is mapped (the kernels read k and v through one layout).
+Attention: an unmapped mask, bias, length, segment id, key or row range array gets a size-1 dim
+there (a free reshape) and is read with stride 0, so vmap never copies it; k and v likewise when
+both are unmapped, and so are the two lengths, the two segment id arrays and the two key (or row)
+range arrays (each pair is read through one set of batch strides: where only one of a pair is
+mapped, the other is broadcast, O(L) int32). The query-shaped operands (q, and out/dout/lse/dlse
+in the backward) define the batch: one of them unmapped while another operand is mapped is
+broadcast, which copies a query-sized array, and so is k or v when only the other one is mapped
+(the kernels read k and v through one layout).
 Dynamic attention's key-list helpers (the listed keys' gradient sum, the block range masks)
 broadcast any unmapped operand.
 """
@@ -30,10 +30,11 @@ def _leading(x, dim, size: int, broadcast: bool):
 
 def _pairs(opts: ops.Optionals, num_fixed: int) -> list[tuple[int, int]]:
     """Operand positions of the pairs read through one layout: k and v, the two lengths, the two
-    segment id arrays, the two key range arrays."""
+    segment id arrays, the two key range arrays, the two row range arrays."""
     pairs = [(1, 2)]
     first = num_fixed + int(opts.has_mask) + int(opts.has_bias)
-    for present in (opts.has_seqlens, opts.has_segments, opts.has_key_ranges):
+    for present in (opts.has_seqlens, opts.has_segments, opts.has_key_ranges,
+                    opts.has_row_ranges):
         if present:
             pairs.append((first, first + 1))
             first += 2

@@ -4,7 +4,7 @@
 ``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
 other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
 out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask, the lengths,
-the segment ids and the key ranges get none).
+the segment ids and the key and row ranges get none).
 """
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ def attention(
     kv_segments: jax.Array | None = None,
     key_start: jax.Array | None = None,
     key_end: jax.Array | None = None,
+    row_start: jax.Array | None = None,
+    row_end: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands (segment ids int32
     ``[B|1, Lq]`` and ``[B|1, Lk]`` of one batch pattern, or both None; key ranges int32
-    ``[B|1, H|Hk|1, 1, Lk]`` of one shape, or both None)."""
+    ``[B|1, H|Hk|1, 1, Lk]`` of one shape, or both None; row ranges int32 ``[B|1, H|Hk|1, Lq,
+    1]`` of one shape, or both None)."""
     if params.implementation == "xla":
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                                   kv_segments, key_start, key_end)
+                                   kv_segments, key_start, key_end, row_start, row_end)
     return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                                          kv_segments, key_start, key_end))
+                                          kv_segments, key_start, key_end, row_start, row_end))
 
 
 def _varying_axes(x) -> frozenset:
@@ -64,34 +67,35 @@ def vary_alike(*operands):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-               key_end):
+               key_end, row_start, row_end):
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end)
+                           key_start, key_end, row_start, row_end)
     return out, lse
 
 
 def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                   key_start, key_end):
+                   key_start, key_end, row_start, row_end):
     # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, float32_out=True)
+                           key_start, key_end, row_start, row_end, float32_out=True)
     residuals = (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-                 key_end, out, lse)
+                 key_end, row_start, row_end, out, lse)
     return (out.astype(q.dtype), lse), residuals
 
 
 def _attention_bwd(params, residuals, cotangents):
-    (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, out,
-     lse) = residuals
+    (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
+     row_end, out, lse) = residuals
     dout, dlse = cotangents
-    no_grads = (None,) * 6  # the lengths, segment ids and key ranges: integer inputs
+    no_grads = (None,) * 8  # the lengths, segment ids, key and row ranges: integer inputs
     if bias is not None and _bias_shifts_rows(params, bias):
         dq, dk, dv, _ = ops.backward(params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse,
                                      mask, None, q_lens, kv_lens, q_segments, kv_segments,
-                                     key_start, key_end)
+                                     key_start, key_end, row_start, row_end)
         return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads
     dq, dk, dv, dbias = ops.backward(params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens,
-                                     kv_lens, q_segments, kv_segments, key_start, key_end)
+                                     kv_lens, q_segments, kv_segments, key_start, key_end,
+                                     row_start, row_end)
     return dq, dk, dv, None, dbias, *no_grads
 
 

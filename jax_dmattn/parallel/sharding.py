@@ -93,8 +93,10 @@ class _Layout:
                                                              else [])
         return (head + extras + (["lens", "lens"] if self.opts.has_seqlens else [])
                 + (["qseg", "kvseg"] if self.opts.has_segments else [])
-                # Key ranges are laid out as a mask broadcast over rows, and sharded as one.
-                + (["ranges", "ranges"] if self.opts.has_key_ranges else []))
+                # Key (row) ranges are laid out as a mask broadcast over rows (columns), and
+                # sharded as one.
+                + (["ranges", "ranges"] if self.opts.has_key_ranges else [])
+                + (["ranges", "ranges"] if self.opts.has_row_ranges else []))
 
 
 def _shard_count(mesh, axes) -> int:
@@ -140,7 +142,7 @@ def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
     opts = layout.opts
     if seq_shards == 1 or not context_parallel.ring_supported(
             params, opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards,
-            opts.has_segments or opts.has_key_ranges):
+            opts.has_segments or opts.has_key_ranges or opts.has_row_ranges):
         seq_axes = None
     return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
 
@@ -300,7 +302,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
                                                layout.seqlen_k,
-                                               opts.has_segments or opts.has_key_ranges)
+                                               opts.has_segments or opts.has_key_ranges
+                                               or opts.has_row_ranges)
     factors = (d, kc) if ringable else (lq, lk, d, kc)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
