@@ -46,7 +46,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "jax_dmattn.equinox": ("DynamicMaskAttention",),
     "jax_dmattn.flax": ("DynamicMaskAttention", "DynamicMaskAttentionLinen", "attention_fn"),
     "jax_dmattn.masks": (
-        "KeyRanges", "block_mask", "block_range_mask", "causal_mask", "key_ranges",
+        "KeyRanges", "RowRanges", "block_mask", "block_range_mask", "causal_mask", "key_ranges",
         "list_block_keys", "list_block_keys_and_slots", "padding_mask", "topk_block_keys",
         "topk_key_ranges", "topk_mask", "window_mask"),
     "jax_dmattn.ops": (
