@@ -190,13 +190,7 @@ def _expected_summaries(mask: np.ndarray, params: AttentionParams,
     *lead, rows, cols = mask.shape
     out = np.zeros((*lead, -(-rows // cell), -(-cols // cell)), np.uint8)
     seen = mask.copy()
-    i = np.arange(rows)[:, None]
-    j = np.arange(cols)[None, :]
-    in_band = np.ones((rows, cols), bool)
-    if params.window_left >= 0:
-        in_band &= j >= i + params.diagonal_offset - params.window_left
-    if params.window_right >= 0:
-        in_band &= j <= i + params.diagonal_offset + params.window_right
+    in_band = _in_band(rows, cols, params)
     for r in range(out.shape[-2]):
         for c in range(out.shape[-1]):
             rs, cs = slice(r * cell, (r + 1) * cell), slice(c * cell, (c + 1) * cell)
@@ -236,8 +230,8 @@ def test_mask_map_skips_cells_the_band_hides(lq, lk, offset, left, right):
     np.testing.assert_array_equal(np.asarray(bits)[..., written], expected_bits[..., written])
 
 
-def _band_cells(rows: int, cols: int, params: AttentionParams, cell: int) -> np.ndarray:
-    """[row cells, col cells]: the cells with an element the band rule of `params` shows."""
+def _in_band(rows: int, cols: int, params: AttentionParams) -> np.ndarray:
+    """[rows, cols]: the elements the diagonal / window rule of `params` shows."""
     i = np.arange(rows)[:, None]
     j = np.arange(cols)[None, :]
     in_band = np.ones((rows, cols), bool)
@@ -245,8 +239,13 @@ def _band_cells(rows: int, cols: int, params: AttentionParams, cell: int) -> np.
         in_band &= j >= i + params.diagonal_offset - params.window_left
     if params.window_right >= 0:
         in_band &= j <= i + params.diagonal_offset + params.window_right
+    return in_band
+
+
+def _band_cells(rows: int, cols: int, params: AttentionParams, cell: int) -> np.ndarray:
+    """[row cells, col cells]: the cells with an element the band rule of `params` shows."""
     padded = np.zeros((-(-rows // cell) * cell, -(-cols // cell) * cell), bool)
-    padded[:rows, :cols] = in_band
+    padded[:rows, :cols] = _in_band(rows, cols, params)
     return padded.reshape(padded.shape[0] // cell, cell, -1, cell).any(axis=(1, 3))
 
 

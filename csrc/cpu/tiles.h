@@ -186,31 +186,22 @@ inline bool TileSegmentsMeet(const HeadItem& item, const Tile& t) {
   return *q_lo <= *k_hi && *k_lo <= *q_hi;
 }
 
-// Whether some key of the tile is visible to some row of it by its key range: [start, end)
-// meets [i0, i0 + rows). Exact per key, so a tile of empty or disjoint ranges is skipped; O(cols)
-// next to the tile's O(rows * cols * D) work.
-inline bool TileKeyRangesMeet(const HeadItem& item, const Tile& t) {
-  if (item.key_start == nullptr) return true;
-  const int64_t i_end = t.i0 + t.rows;
-  for (int64_t c = 0; c < t.cols; ++c) {
-    const int64_t lo = std::max<int64_t>(item.key_start[t.j0 + c], t.i0);
-    const int64_t hi = std::min<int64_t>(item.key_end[t.j0 + c], i_end);
-    if (lo < hi) return true;
+// Whether some of the n ranges [start[k], end[k]) meets [lo, hi): a tile's key ranges against
+// its rows, or its row ranges against its keys. Exact per range, so a tile of empty or disjoint
+// ranges is skipped; O(n) next to the tile's O(rows * cols * D) work.
+inline bool AnyRangeMeets(const int32_t* start, const int32_t* end, int64_t n, int64_t lo,
+                          int64_t hi) {
+  for (int64_t k = 0; k < n; ++k) {
+    if (std::max<int64_t>(start[k], lo) < std::min<int64_t>(end[k], hi)) return true;
   }
   return false;
 }
 
-// Whether some row of the tile sees some key of it by its row range: [start, end) meets
-// [j0, j0 + cols). Exact per row, so a tile of empty or disjoint ranges is skipped; O(rows).
-inline bool TileRowRangesMeet(const HeadItem& item, const Tile& t) {
-  if (item.row_start == nullptr) return true;
-  const int64_t j_end = t.j0 + t.cols;
-  for (int64_t r = 0; r < t.rows; ++r) {
-    const int64_t lo = std::max<int64_t>(item.row_start[t.i0 + r], t.j0);
-    const int64_t hi = std::min<int64_t>(item.row_end[t.i0 + r], j_end);
-    if (lo < hi) return true;
-  }
-  return false;
+inline bool TileRangesMeet(const HeadItem& item, const Tile& t) {
+  return (item.key_start == nullptr || AnyRangeMeets(item.key_start + t.j0, item.key_end + t.j0,
+                                                     t.cols, t.i0, t.i0 + t.rows)) &&
+         (item.row_start == nullptr || AnyRangeMeets(item.row_start + t.i0, item.row_end + t.i0,
+                                                     t.rows, t.j0, t.j0 + t.cols));
 }
 
 // Whether any (row, key) of the tile is visible: the segment ids' spans, the key and row ranges
@@ -219,8 +210,7 @@ inline bool TileRowRangesMeet(const HeadItem& item, const Tile& t) {
 // item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileKeyRangesMeet(item, t) ||
-      !TileRowRangesMeet(item, t))
+  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t))
     return false;
   // The rule's visible columns only move right down the rows, so it leaves the whole tile when
   // the last row starts at column 0 and the first row ends at the last column: the common case,

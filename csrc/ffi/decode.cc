@@ -216,34 +216,22 @@ ffi::Error DecodeSegments(ffi::AnyBuffer q_segments, ffi::AnyBuffer kv_segments,
   return ffi::Error::Success();
 }
 
-// Key ranges: int32 [*batch|1, H|Hk|1, 1, Lk] twice, with the same dims (start, end).
-ffi::Error DecodeKeyRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, AttentionShape* s) {
+// Key ranges (int32 [*batch|1, H|Hk|1, 1, Lk], a mask broadcast over rows) or row ranges
+// ([*batch|1, H|Hk|1, Lq, 1], broadcast over columns): start and end with the same dims.
+ffi::Error DecodeRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, int64_t rows, int64_t cols,
+                        const char* name, const char* layout, AttentionShape* s,
+                        BroadcastOperand* out) {
   const auto sd = start.dimensions();
   const int r = s->batch.rank;
   const bool ok = start.element_type() == ffi::DataType::S32 &&
                   end.element_type() == ffi::DataType::S32 && SameDims(sd, end.dimensions()) &&
-                  static_cast<int>(sd.size()) == r + 3 && sd[r + 1] == 1 &&
-                  sd[r + 2] == s->seqlen_k;
+                  static_cast<int>(sd.size()) == r + 3 && sd[r + 1] == rows && sd[r + 2] == cols;
   if (!ok) {
-    return Invalid("key ranges must be int32 [*batch, H|Hk|1, 1, Lk] twice with the same dims, "
-                   "got " + DimsString(sd) + " and " + DimsString(end.dimensions()));
+    return Invalid(std::string(name) + " must be int32 " + layout +
+                   " twice with the same dims, got " + DimsString(sd) + " and " +
+                   DimsString(end.dimensions()));
   }
-  return DecodeBroadcastOperand(start, *s, "key ranges", &s->key_ranges);
-}
-
-// Row ranges: int32 [*batch|1, H|Hk|1, Lq, 1] twice, with the same dims (start, end).
-ffi::Error DecodeRowRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, AttentionShape* s) {
-  const auto sd = start.dimensions();
-  const int r = s->batch.rank;
-  const bool ok = start.element_type() == ffi::DataType::S32 &&
-                  end.element_type() == ffi::DataType::S32 && SameDims(sd, end.dimensions()) &&
-                  static_cast<int>(sd.size()) == r + 3 && sd[r + 1] == s->seqlen_q &&
-                  sd[r + 2] == 1;
-  if (!ok) {
-    return Invalid("row ranges must be int32 [*batch, H|Hk|1, Lq, 1] twice with the same dims, "
-                   "got " + DimsString(sd) + " and " + DimsString(end.dimensions()));
-  }
-  return DecodeBroadcastOperand(start, *s, "row ranges", &s->row_ranges);
+  return DecodeBroadcastOperand(start, *s, name, out);
 }
 
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
@@ -282,14 +270,22 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
   if (attrs.has_key_ranges) {
     DMATTN_ASSIGN_OR_RETURN(ks, cursor.Next("key_start"));
     DMATTN_ASSIGN_OR_RETURN(ke, cursor.Next("key_end"));
-    if (auto e = DecodeKeyRanges(ks, ke, s); e.failure()) return e;
+    if (auto e = DecodeRanges(ks, ke, 1, s->seqlen_k, "key ranges", "[*batch, H|Hk|1, 1, Lk]",
+                              s, &s->key_ranges);
+        e.failure()) {
+      return e;
+    }
     p->key_start = static_cast<const int32_t*>(ks.untyped_data());
     p->key_end = static_cast<const int32_t*>(ke.untyped_data());
   }
   if (attrs.has_row_ranges) {
     DMATTN_ASSIGN_OR_RETURN(rs, cursor.Next("row_start"));
     DMATTN_ASSIGN_OR_RETURN(re, cursor.Next("row_end"));
-    if (auto e = DecodeRowRanges(rs, re, s); e.failure()) return e;
+    if (auto e = DecodeRanges(rs, re, s->seqlen_q, 1, "row ranges", "[*batch, H|Hk|1, Lq, 1]",
+                              s, &s->row_ranges);
+        e.failure()) {
+      return e;
+    }
     p->row_start = static_cast<const int32_t*>(rs.untyped_data());
     p->row_end = static_cast<const int32_t*>(re.untyped_data());
   }
