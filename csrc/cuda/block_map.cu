@@ -1,12 +1,14 @@
 // The mask block map (kernel_params.h: MaskBlockMap): a CTA reads eight adjacent 64 x 64 cells
-// of one 64-row band (a warp a cell, 16-byte loads where the mask allows), writes each cell's
-// kTileAny | kTileAll and packs the cells' rows to bits (8 bytes a cell row) in shared memory,
-// from where the band's 64 bytes a row leave in whole 32-byte sectors. One pass at memory speed,
-// so the attention kernels never scan empty mask tiles themselves, and the Hopper forward reads
-// an eighth of the mask's bytes. It is its own FFI call, so that under one jit the forward and
-// the backward share one map. Cells that causality or the window hide from every query are never
-// looked at by the kernels, so the pass skips their bytes (half of a causal mask); their bits are
-// zero where a kernel tile may still cover them, else not written.
+// of one 64-row band, writes each cell's kTileAny | kTileAll and packs the cells' rows to bits
+// (8 bytes a cell row) in shared memory, from where the band's 64 bytes a row leave in whole
+// 32-byte sectors. Where the mask allows 16-byte loads, each warp load is 512 contiguous bytes
+// of one row (a lane a 16-byte chunk), eight rows a warp in flight at once; else a warp a cell,
+// a row's 32 columns at a time. One pass at memory speed, so the attention kernels never scan
+// empty mask tiles themselves, and the Hopper forward reads an eighth of the mask's bytes. It is
+// its own FFI call, so that under one jit the forward and the backward share one map. Cells that
+// causality or the window hide from every query are never looked at by the kernels, so the
+// pass skips their bytes (half of a causal mask); their bits are zero where a kernel tile may
+// still cover them, else not written.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -43,11 +45,6 @@ static_assert(kBandBytes % 16 == 0, "bits rows leave in 16-byte stores");
 // The tallest kernel tile (rows) that reads bits: the Hopper forward's 192-row tile at D = 64.
 constexpr int kTallestTile = 192;
 
-// Bit i: byte i of x is not zero (i < 4).
-__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t x) {
-  return ((__vcmpne4(x, 0u) & 0x01010101u) * 0x01020408u) >> 24;
-}
-
 // The key range [lo, hi) that any of rows [first, last] sees (empty: lo >= hi).
 __device__ __forceinline__ void visible_keys(const MapBuild& m, int first, int last, int64_t* lo,
                                              int64_t* hi) {
@@ -57,85 +54,120 @@ __device__ __forceinline__ void visible_keys(const MapBuild& m, int first, int l
   *hi = *hi > m.cols ? m.cols : *hi;
 }
 
-// One cell's flags and its rows' bits, packed into the band's bits tile (row r: bytes
-// [8 w, 8 w + 8) of tile[r]): the warp's 64 x 64 bytes of the mask from base.
-__device__ __forceinline__ int pack_cell(const MapBuild& m, const uint8_t* base, int nr, int nc,
-                                         uint8_t (*tile)[kBandBytes], int w, int lane) {
-  bool any = false, all = true;
-  if (m.vec && nc == kMaskMapCell) {
-    constexpr int kChunksPerRow = kMaskMapCell / 16;
-    constexpr int kPerLane = kMaskMapCell * kChunksPerRow / 32;
-    uint4 v[kPerLane];
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {  // independent loads, all in flight at once
-      const int id = lane + 32 * k, row = id / kChunksPerRow, chunk = id % kChunksPerRow;
-      v[k] = row < nr ? *reinterpret_cast<const uint4*>(base + row * m.cols + chunk * 16)
-                      : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int id = lane + 32 * k, row = id / kChunksPerRow, chunk = id % kChunksPerRow;
-      const uint32_t packed = nonzero_bytes(v[k].x) | nonzero_bytes(v[k].y) << 4 |
-                              nonzero_bytes(v[k].z) << 8 | nonzero_bytes(v[k].w) << 12;
-      *reinterpret_cast<uint16_t*>(&tile[row][w * kCellBitsBytes + chunk * 2]) =
-          static_cast<uint16_t>(packed);
-      if (row < nr) {
-        any = any || packed != 0;
-        all = all && packed == 0xffffu;
-      }
-    }
-    any = __any_sync(0xffffffffu, any);
-    all = __all_sync(0xffffffffu, all);
-  } else {  // a row's 32 columns at a time, packed by a ballot
-    for (int row = 0; row < kMaskMapCell; ++row) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = 32 * half + lane;
-        const unsigned word =
-            __ballot_sync(0xffffffffu, row < nr && col < nc && base[row * m.cols + col] != 0);
-        const unsigned cols_in = 32 * half >= nc ? 0u
-                                 : nc - 32 * half >= 32 ? 0xffffffffu
-                                                        : (1u << (nc - 32 * half)) - 1u;
-        if (lane == 0) {
-          *reinterpret_cast<uint32_t*>(&tile[row][w * kCellBitsBytes + 4 * half]) = word;
-        }
-        if (row < nr) {
-          any = any || word != 0;
-          all = all && word == cols_in;
-        }
-      }
-    }
-  }
+// The flags of a cell whose rows have been read: any key shown, every key shown.
+__device__ __forceinline__ int cell_flags(bool any, bool all) {
   return any ? (kTileAny | (all ? kTileAll : 0)) : 0;
 }
 
-__global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
+// Bit i: byte i of x is not zero (i < 4).
+__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t x) {
+  return ((__vcmpne4(x, 0u) & 0x01010101u) * 0x01020408u) >> 24;
+}
+
+// The band's eight cells with 16-byte loads (every row starts on 16 bytes, cols % 16 == 0):
+// warp w reads rows w, w + 8, .., lane l the chunk l % 4 of cell l / 4, whose 16 bits land at
+// bytes 2 l, 2 l + 1 of the bits row. A lane's cell outside `seen` (or past the last column) is
+// not read: zero bits. Returns the flags of cell threadIdx.x (threads < kMapWarps).
+__device__ __forceinline__ int pack_band(const MapBuild& m, const uint8_t* band, int nr, int c0,
+                                         detail::BlockRange seen, uint8_t (*tile)[kBandBytes],
+                                         uint32_t (*votes)[kMapWarps], int w, int lane) {
+  constexpr int kRowsPerWarp = kMaskMapCell / kMapWarps;
+  const int cell = c0 / kMaskMapCell + lane / 4, col = c0 + 16 * lane;
+  const bool reads = cell >= seen.lo && cell < seen.hi && col < m.cols;
+  uint4 v[kRowsPerWarp];
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {  // independent loads, all in flight at once
+    const int row = w + kMapWarps * k;
+    v[k] = reads && row < nr ? *reinterpret_cast<const uint4*>(band + row * m.cols + col)
+                             : make_uint4(0u, 0u, 0u, 0u);
+  }
+  bool any = false, all = true;
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int row = w + kMapWarps * k;
+    const uint32_t packed = nonzero_bytes(v[k].x) | nonzero_bytes(v[k].y) << 4 |
+                            nonzero_bytes(v[k].z) << 8 | nonzero_bytes(v[k].w) << 12;
+    *reinterpret_cast<uint16_t*>(&tile[row][2 * lane]) = static_cast<uint16_t>(packed);
+    if (reads && row < nr) {
+      any = any || packed != 0;
+      all = all && packed == 0xffffu;
+    }
+  }
+  // a cell's chunks are four lanes of each warp: one vote word a warp, one reduction a cell
+  const uint32_t any_lanes = __ballot_sync(0xffffffffu, any);
+  const uint32_t all_lanes = __ballot_sync(0xffffffffu, all);
+  if (lane == 0) votes[0][w] = any_lanes, votes[1][w] = all_lanes;
+  __syncthreads();
+  if (threadIdx.x >= kMapWarps) return 0;
+  uint32_t any_cell = 0u, all_cell = 0xfu;
+#pragma unroll
+  for (int i = 0; i < kMapWarps; ++i) {
+    any_cell |= votes[0][i] >> (4 * threadIdx.x) & 0xfu;
+    all_cell &= votes[1][i] >> (4 * threadIdx.x) & 0xfu;
+  }
+  return cell_flags(any_cell != 0, all_cell == 0xfu);
+}
+
+// One cell's flags and its rows' bits, a row's 32 columns at a time packed by a ballot (masks
+// whose rows do not start on 16 bytes): the warp's nr x nc bytes of the mask from base.
+__device__ __forceinline__ int pack_cell(const MapBuild& m, const uint8_t* base, int nr, int nc,
+                                         uint8_t (*tile)[kBandBytes], int w, int lane) {
+  bool any = false, all = true;
+  for (int row = 0; row < kMaskMapCell; ++row) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = 32 * half + lane;
+      const unsigned word =
+          __ballot_sync(0xffffffffu, row < nr && col < nc && base[row * m.cols + col] != 0);
+      const unsigned cols_in = 32 * half >= nc ? 0u
+                               : nc - 32 * half >= 32 ? 0xffffffffu
+                                                      : (1u << (nc - 32 * half)) - 1u;
+      if (lane == 0) *reinterpret_cast<uint32_t*>(&tile[row][w * kCellBitsBytes + 4 * half]) = word;
+      if (row < nr) {
+        any = any || word != 0;
+        all = all && word == cols_in;
+      }
+    }
+  }
+  return cell_flags(any, all);
+}
+
+// Six CTAs an SM (40 registers, no spill): of 5, 6 and 8 (44, 40, 32 registers) the fastest on
+// both a broadcast [1, 1, L, L] mask and a causal [B, H, L, L] one (H200).
+__global__ void __launch_bounds__(kMapWarps * 32, 6) mask_block_map_kernel(
     const __grid_constant__ MapBuild m) {
   __shared__ __align__(16) uint8_t tile[kMaskMapCell][kBandBytes];
+  __shared__ uint32_t votes[2][kMapWarps];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t band_index = blockIdx.x / m.groups;  // over entries x cell rows
   const int group = static_cast<int>(blockIdx.x % m.groups);
   const int64_t entry = band_index / m.cell_rows;
   const int r0 = static_cast<int>(band_index % m.cell_rows) * kMaskMapCell;
   const int nr = min(kMaskMapCell, m.rows - r0);
-  const int cc = group * kMapWarps + w, c0 = cc * kMaskMapCell;
-  // the attention kernels' own key-block range of these rows (kernel_utils.cuh)
+  const int c0 = group * kMapWarps * kMaskMapCell;
+  const uint8_t* band = m.mask + (entry * m.rows + r0) * m.cols;
+  // the attention kernels' own key-block range of these rows (kernel_utils.cuh); a hidden cell
+  // is kTileAll: neutral in every tile test (block_map.cuh)
   const detail::BlockRange seen = detail::visible_key_blocks<kMaskMapCell, kMaskMapCell>(
       detail::SeqLens{m.rows, m.cols}, m.band, r0);
-  if (cc < m.cell_cols) {
-    int flags = kTileAll;  // a hidden cell: neutral in every tile test (block_map.cuh)
-    if (cc >= seen.lo && cc < seen.hi) {
-      const uint8_t* base = m.mask + (entry * m.rows + r0) * m.cols + c0;
-      flags = pack_cell(m, base, nr, min(kMaskMapCell, m.cols - c0), tile, w, lane);
-    } else {
+  if (m.vec) {
+    const int flags = pack_band(m, band, nr, c0, seen, tile, votes, w, lane);
+    const int cc = c0 / kMaskMapCell + threadIdx.x;
+    if (threadIdx.x < kMapWarps && cc < m.cell_cols) {
+      m.cells[band_index * m.cell_cols + cc] =
+          static_cast<uint8_t>(cc >= seen.lo && cc < seen.hi ? flags : kTileAll);
+    }
+  } else {
+    const int cc = c0 / kMaskMapCell + w;
+    if (cc < m.cell_cols && cc >= seen.lo && cc < seen.hi) {
+      const int flags = pack_cell(m, band + cc * kMaskMapCell, nr,
+                                  min(kMaskMapCell, m.cols - cc * kMaskMapCell), tile, w, lane);
+      if (lane == 0) m.cells[band_index * m.cell_cols + cc] = static_cast<uint8_t>(flags);
+    } else {  // hidden, or past the last cell (the row's padding): zero bits
+      if (lane == 0 && cc < m.cell_cols) m.cells[band_index * m.cell_cols + cc] = kTileAll;
       for (int row = lane; row < kMaskMapCell; row += 32) {
         *reinterpret_cast<uint2*>(&tile[row][w * kCellBitsBytes]) = make_uint2(0u, 0u);
       }
-    }
-    if (lane == 0) m.cells[band_index * m.cell_cols + cc] = static_cast<uint8_t>(flags);
-  } else {  // past the last cell: the row's padding
-    for (int row = lane; row < kMaskMapCell; row += 32) {
-      *reinterpret_cast<uint2*>(&tile[row][w * kCellBitsBytes]) = make_uint2(0u, 0u);
     }
   }
   // A kernel tile that holds these rows reads their bits for every key block it sees; the bits
@@ -143,8 +175,7 @@ __global__ void __launch_bounds__(kMapWarps * 32) mask_block_map_kernel(
   int64_t lo, hi;
   visible_keys(m, max(0, r0 + kMaskMapCell - kTallestTile), min(m.rows, r0 + kTallestTile) - 1, &lo,
                &hi);
-  const int64_t group_lo = static_cast<int64_t>(group) * kMapWarps * kMaskMapCell;
-  if (lo >= hi || hi <= group_lo || lo >= group_lo + kMapWarps * kMaskMapCell) return;
+  if (lo >= hi || hi <= c0 || lo >= c0 + kMapWarps * kMaskMapCell) return;
   __syncthreads();
   const int first_byte = group * kBandBytes;
   const int chunks = min(kBandBytes, m.bits_pitch - first_byte) / 16;  // per row

@@ -8,7 +8,7 @@
 # within one run (DESIGN.md §5). Logs and summary.txt go to $LOG (default build/ab_logs).
 #   BASE=.exp/base NAMES='bias+mask|dense d128 L4k B4 H16 causal' SAN=1 tests/cuda/ab_bench.sh
 set -u
-BASE=${BASE:?a folder with the other commit's csrc/ and tests/}
+BASE=${BASE:?a folder with another commit csrc/ and tests/ in it}
 LOG=${LOG:-build/ab_logs}
 DIMS=${DIMS:-"64 128"}
 mkdir -p "$LOG"

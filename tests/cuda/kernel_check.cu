@@ -806,6 +806,12 @@ std::vector<Case> AllCases() {
     c.bias = Op({2}, 2, false, true); c.deterministic = true; add(c);
   }
   {
+    // mask rows on 16 bytes, a partial last cell and a partial group of cells (mask pass)
+    Case c; c.name = "causal_mask_only_d128_q200_k336"; c.H = 2; c.Hk = 2; c.Lq = 200;
+    c.Lk = 336; c.D = 128; c.causal = true; c.mask = Op({1}, 2, true, true); c.mask_holes = true;
+    add(c);
+  }
+  {
     Case c; c.name = "fp16_causal_d128_mask_bias"; c.bf16 = false; c.H = 4; c.Hk = 4;
     c.Lq = 257; c.Lk = 257; c.D = 128; c.causal = true; c.mask = Op({1}, 4, true, true);
     c.bias = Op({1}, 4, true, true); add(c);
@@ -1270,6 +1276,8 @@ void Bench(bool variants, const std::string& only) {
                        mk("b2b", 8, 16, 16, 2048, 128, true, false, false), 0});
   }
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
+  benches.push_back({"dense d64 L4k B4 H32 causal", mk("b3c", 4, 32, 32, 4096, 64, true, false, false), 0});
+  benches.push_back({"dense d64 L16k B1 H32 causal", mk("b3l", 1, 32, 32, 16384, 64, true, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
   {
