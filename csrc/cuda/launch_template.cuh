@@ -198,7 +198,9 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
         e = sm90::RunForward<typename Config::Traits, T>(params, stream);
       } else if constexpr (D <= 128) {
         if (!segments) {
-          e = sm90::RunForward<typename Config::OperandTraits, T>(params, stream);
+          e = params.bias != nullptr
+                  ? sm90::RunForward<typename Config::OperandTraits, T>(params, stream)
+                  : sm90::RunForward<typename Config::MaskTraits, T>(params, stream);
         } else {
           e = operands ? sm90::RunForward<typename Config::OperandSegmentTraits, T>(params, stream)
                        : sm90::RunForward<typename Config::SegmentTraits, T>(params, stream);

@@ -12,8 +12,8 @@ namespace dmattn::cuda::sm90 {
 // The Hopper forward's tile of each head dim that has one (HasHopperForward in launch.h): at
 // D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
 // larger head dims, hides under two others' GEMMs.
-// Calls with a mask or a bias run the same tile with the bias and mask rings, calls with segment
-// ids kernels that read them (D <= 128 both).
+// Calls with a bias run the same tile with the bias and mask rings, calls with a mask alone with
+// the mask ring only, calls with segment ids kernels that read them (D <= 128 all).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
@@ -21,6 +21,7 @@ struct FwdConfig {
   using Traits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers>;
   using SegmentTraits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, true>;
   using OperandTraits = FwdTraits<D, 128, kConsumers, true>;
+  using MaskTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, false>;
   using OperandSegmentTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, true>;
 };
 

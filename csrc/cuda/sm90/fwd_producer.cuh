@@ -21,7 +21,7 @@ namespace dmattn::cuda::sm90 {
 // Calls with a bias have an operand warp (the bias and mask loads); others load a mask with K.
 template <typename Tr>
 __device__ __forceinline__ bool has_operand_warp(const FwdParamsSm90& P) {
-  return Tr::kOperands && P.p.bias != nullptr;
+  return Tr::kBias && P.p.bias != nullptr;
 }
 
 // Key block n loads a mask tile (it has one and is not all true).
@@ -39,7 +39,7 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
   constexpr int BM = Tr::BM, BN = Tr::BN;
   const FwdParams& p = P.p;
   const AttentionShape& s = p.s;
-  if (p.bias != nullptr) {
+  if (Tr::kBias && p.bias != nullptr) {
     const OperandTiles& o = P.bias_tiles;
     RingPos<Tr::kBiasStages>& pos = rings.bias;
     uint64_t* full = bar.bias_full(pos.slot);

@@ -231,7 +231,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
                                               const ConsumerThread& th, int n, int flags) {
   const FwdParams& p = P.p;
   bool mask_pending = Tr::kOperands && loads_mask(p, flags);
-  if constexpr (Tr::kOperands) {
+  if constexpr (Tr::kBias) {
     if (p.bias != nullptr) {
       RingPos<Tr::kBiasStages>& pos = operands.bias;
       mbar_wait(bar.bias_full(pos.slot), pos.parity);

@@ -15,15 +15,18 @@
 namespace dmattn::cuda::sm90 {
 
 // kOperands: the CTA has rings for the bias and mask tiles of the key blocks and walks past the
-// blocks a mask hides (a call with a mask or a bias). kSegments: it reads segment ids (kernels
-// of their own: their walk's state would cost the others' consumers registers).
+// blocks a mask hides (a call with a mask or a bias); kBias: it has the bias ring (calls with a
+// mask alone leave its shared memory to a second mask stage and O's own tile). kSegments: it
+// reads segment ids (kernels of their own: their walk's state would cost the others' consumers
+// registers).
 // kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
 // default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
-          int kConsumerRegs_ = 0, bool kSegments_ = false>
+          int kConsumerRegs_ = 0, bool kSegments_ = false, bool kBias_ = kOperands_>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_, kSegments = kSegments_;
+  static constexpr bool kBias = kOperands && kBias_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
@@ -58,8 +61,8 @@ struct FwdTraits {
   // swizzle, or one plain row for a bias broadcast over queries), kMaskStages tiles of the mask's
   // bits (BM plain rows of BN / 8 = 16 bytes, or one row). A full-size bias streams from memory
   // at about the rate the GEMMs take it, so its tile loads a block ahead (two stages); the
-  // mask's second stage, where it fits (not at D = 128), hides its short loads.
-  static constexpr uint32_t kBiasBytes = kOperands ? BM * BN * 2 : 0;
+  // mask's second stage, where it fits (not at D = 128 with a bias), hides its short loads.
+  static constexpr uint32_t kBiasBytes = kBias ? BM * BN * 2 : 0;
   static constexpr uint32_t kMaskBytes = kOperands ? BM * BN / 8 : 0;
   static constexpr uint32_t kOffBias = kOffV + kStages * kKVBytes;
   static constexpr int kBiasStages = 2;
