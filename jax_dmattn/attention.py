@@ -4,11 +4,14 @@ Both validate their arguments at trace time, normalise them to the one operation
 differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs). Both
 take sequence-packing segment ids: query ``i`` of batch entry ``b`` sees key ``j`` only where
 ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of every other rule. Both take a mask in
-O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, or in O(Lq) form,
-:class:`jax_dmattn.masks.RowRanges`, in place of the bool mask (one of the three per call).
+O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, in O(Lq) form,
+:class:`jax_dmattn.masks.RowRanges`, or in block-sparse form,
+:class:`jax_dmattn.masks.BlockIndices`, in place of the bool mask (one of the four per call).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,7 @@ def flash_dmattn(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    mask: jax.Array | masks.KeyRanges | masks.RowRanges | None = None,
+    mask: jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices | None = None,
     bias: jax.Array | None = None,
     *,
     q_segment_ids: jax.Array | None = None,
@@ -46,8 +49,11 @@ def flash_dmattn(
         visible to rows ``start[..., j] <= i < end[..., j]``, never expanded to ``[Lq, Lk]`` by
         the CPU kernels (the CUDA kernels do not read it yet: the GPU runs the reference). Or a
         :class:`~jax_dmattn.masks.RowRanges` (start, end int ``[B|1, H|Hk|1, Lq]``): row ``i``
-        sees keys ``start[..., i] <= j < end[..., i]``, likewise. One of the three: key and row
-        ranges cannot be given together (pass the dense and of their ``to_mask`` forms).
+        sees keys ``start[..., i] <= j < end[..., i]``, likewise. Or a
+        :class:`~jax_dmattn.masks.BlockIndices` (indices int ``[B|1, H|Hk|1, ceil(Lq / block_q),
+        K]``, static block sizes): rows of query block ``i // block_q`` see the keys of the key
+        blocks it lists (``-1``: an unused slot), likewise. One of the four: these forms cannot
+        be given together (pass the dense and of their ``to_mask`` forms).
       bias: optional floating array of the mask's shape rule, added to the logits; differentiable
         (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
       q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to
@@ -72,6 +78,7 @@ def flash_dmattn(
     q, k, v = validation.check_qkv(query, key, value, implementation)
     dims = validation.dims_of(q, k)
     q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
+    m = _mask_operands(mask, dims)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
@@ -79,23 +86,41 @@ def flash_dmattn(
         window_right=0 if is_causal else -1,
         deterministic=bool(deterministic),
         implementation=implementation,
+        block_q=m.block_q,
+        block_k=m.block_k,
     )
-    mask, key_start, key_end, row_start, row_end = _mask_or_ranges(mask, dims)
-    out, lse = core.attention(params, q, k, v, mask, validation.check_bias(bias, dims, q.dtype),
-                              None, None, q_segments, kv_segments, key_start, key_end, row_start,
-                              row_end)
+    out, lse = core.attention(params, q, k, v, m.mask, validation.check_bias(bias, dims, q.dtype),
+                              None, None, q_segments, kv_segments, m.key_start, m.key_end,
+                              m.row_start, m.row_end, m.block_indices)
     return (out, lse) if return_lse else out
 
 
-def _mask_or_ranges(mask, dims: validation.Dims) -> tuple[jax.Array | None, ...]:
-    """``(mask, key_start, key_end, row_start, row_end)``: a bool mask checked, or key or row
-    ranges checked and normalised (``validation.check_key_ranges`` / ``check_row_ranges``); the
-    others None."""
+class _MaskOperands(NamedTuple):
+    """The ``mask`` argument as the operation's operands: at most one form is not None; the block
+    sizes are those of the block indices (0 without them)."""
+
+    mask: jax.Array | None = None
+    key_start: jax.Array | None = None
+    key_end: jax.Array | None = None
+    row_start: jax.Array | None = None
+    row_end: jax.Array | None = None
+    block_indices: jax.Array | None = None
+    block_q: int = 0
+    block_k: int = 0
+
+
+def _mask_operands(mask, dims: validation.Dims) -> _MaskOperands:
+    """A bool mask checked, or key or row ranges or block indices checked and normalised
+    (``validation.check_key_ranges`` / ``check_row_ranges`` / ``check_block_indices``)."""
     if isinstance(mask, masks.KeyRanges):
-        return None, *validation.check_key_ranges(mask.start, mask.end, dims), None, None
+        return _MaskOperands(None, *validation.check_key_ranges(mask.start, mask.end, dims))
     if isinstance(mask, masks.RowRanges):
-        return None, None, None, *validation.check_row_ranges(mask.start, mask.end, dims)
-    return validation.check_mask(mask, dims), None, None, None, None
+        start, end = validation.check_row_ranges(mask.start, mask.end, dims)
+        return _MaskOperands(row_start=start, row_end=end)
+    if isinstance(mask, masks.BlockIndices):
+        indices, block_q, block_k = validation.check_block_indices(*mask, dims)
+        return _MaskOperands(block_indices=indices, block_q=block_q, block_k=block_k)
+    return _MaskOperands(validation.check_mask(mask, dims))
 
 
 def dot_product_attention(
@@ -103,7 +128,7 @@ def dot_product_attention(
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None = None,
-    mask: jax.Array | masks.KeyRanges | masks.RowRanges | None = None,
+    mask: jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -127,8 +152,10 @@ def dot_product_attention(
     addition: start, end ``[B|1, N|K|1, S]``, ``[N|K|1, S]`` for 3-D inputs; key ``j`` visible
     to queries ``start[..., j] <= i < end[..., j]``) or a :class:`jax_dmattn.masks.RowRanges`
     (start, end ``[B|1, N|K|1, T]``, ``[N|K|1, T]`` for 3-D inputs; query ``i`` sees keys
-    ``start[..., i] <= j < end[..., i]``), one of the three. ``is_causal`` is top-left aligned
-    (query ``i`` sees keys ``j <= i``);
+    ``start[..., i] <= j < end[..., i]``) or a :class:`jax_dmattn.masks.BlockIndices` (indices
+    ``[B|1, N|K|1, ceil(T / block_q), K]``, ``[N|K|1, ceil(T / block_q), K]`` for 3-D inputs;
+    query ``i`` sees keys ``j`` whose block ``j // block_k`` its block ``i // block_q`` lists),
+    one of the four. ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
     ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
@@ -151,9 +178,12 @@ def dot_product_attention(
     if isinstance(mask, (masks.KeyRanges, masks.RowRanges)):
         if unbatched:  # [N|K|1, S|T] -> [1, N|K|1, S|T]
             mask = type(mask)(*(jnp.expand_dims(jnp.asarray(x), 0) for x in mask))
-        mask, key_start, key_end, row_start, row_end = _mask_or_ranges(mask, dims)
+    elif isinstance(mask, masks.BlockIndices):
+        if unbatched:  # [N|K|1, nQB, K] -> [1, N|K|1, nQB, K]
+            mask = mask._replace(indices=jnp.expand_dims(jnp.asarray(mask.indices), 0))
     else:
-        mask, key_start, key_end, row_start, row_end = _mask_or_ranges(as_4d(mask), dims)
+        mask = as_4d(mask)
+    m = _mask_operands(mask, dims)
     bias = validation.check_bias(as_4d(bias), dims, q.dtype)
     q_lens = validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", dims.batch)
     kv_lens = validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths",
@@ -174,9 +204,12 @@ def dot_product_attention(
         window_left=left,
         window_right=right,
         implementation=implementation,
+        block_q=m.block_q,
+        block_k=m.block_k,
     )
-    out, lse = core.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                              kv_segments, key_start, key_end, row_start, row_end)
+    out, lse = core.attention(params, q, k, v, m.mask, bias, q_lens, kv_lens, q_segments,
+                              kv_segments, m.key_start, m.key_end, m.row_start, m.row_end,
+                              m.block_indices)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:

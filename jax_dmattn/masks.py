@@ -40,6 +40,7 @@ from jax_dmattn.params import AttentionParams
 from jax_dmattn.validation import as_array
 
 __all__ = [
+    "BlockIndices",
     "KeyRanges",
     "RowRanges",
     "block_mask",
@@ -108,6 +109,45 @@ class RowRanges(NamedTuple):
         start, end = (jnp.asarray(x) for x in (self.start, self.end))
         j = jnp.arange(_check_int(seqlen_k, "seqlen_k", 1))
         return (start[..., :, None] <= j) & (j < end[..., :, None])
+
+
+class BlockIndices(NamedTuple):
+    """A block-sparse mask in O(Lq / block_q · K) form, for flash_dmattn's and
+    dot_product_attention's ``mask``: each block of ``block_q`` query rows sees exactly the key
+    blocks (of ``block_k`` keys) it lists. Element ``(i, j)`` is visible iff ``j // block_k`` is
+    among ``indices[..., i // block_q, :]`` (and-ed with every other rule); a block that lists
+    none leaves its rows no key (output 0, lse -inf, as for any row with no visible key).
+
+    ``indices``: integer ``[B|1, H|Hk|1, ceil(Lq / block_q), K]``, size-1 dims broadcast; entries
+    are key block numbers in ``[0, ceil(Lk / block_k))``, ``-1`` marks an unused slot, and a
+    block listed twice counts once. Where ``indices`` is concrete, other values are rejected at
+    trace time; traced values outside that range are ignored like ``-1`` (they name no key
+    block). ``block_q`` and ``block_k``: static Python ints ``>= 1`` (the last blocks may be
+    partial); they are pytree metadata, so a BlockIndices passes through ``jit`` and ``vmap``
+    with only ``indices`` as a leaf. It takes the place of the bool mask, so a call takes one of
+    a bool mask, :class:`KeyRanges`, :class:`RowRanges` or block indices. The CPU kernels skip a
+    tile when none of its query blocks lists a key block meeting its keys (O(K) per query
+    block); it is equivalent to the bool mask :meth:`to_mask`.
+    """
+
+    indices: jax.Array
+    block_q: int
+    block_k: int
+
+    def to_mask(self, seqlen_q: int, seqlen_k: int) -> jax.Array:
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
+        CUDA kernels, which do not read block indices yet)."""
+        lk = _check_int(seqlen_k, "seqlen_k", 1)
+        num_key_blocks = -(-lk // _check_int(self.block_k, "block_k", 1))
+        listed = jnp.asarray(self.indices)[..., None] == jnp.arange(num_key_blocks)
+        return block_mask(jnp.any(listed, axis=-2), self.block_q, self.block_k, seqlen_q, lk)
+
+
+# block_q and block_k are static: the treedef carries them, so jit retraces for new sizes and
+# vmap maps only the indices.
+jax.tree_util.register_pytree_node(
+    BlockIndices, lambda b: ((b.indices,), (b.block_q, b.block_k)),
+    lambda sizes, leaves: BlockIndices(leaves[0], *sizes))
 
 
 # ---- argument checks --------------------------------------------------------------------------

@@ -19,7 +19,9 @@ class AttentionParams:
     ``i`` below the query length of its batch entry, query ``i`` and key ``j`` have the same
     segment id (sequence packing, where segment ids are given), ``key_start[j] <= i <
     key_end[j]`` (where key ranges are given), ``row_start[i] <= j < row_end[i]`` (where row
-    ranges are given), and the mask (if any) is True there.
+    ranges are given), ``j // block_k`` is among ``block_indices[i // block_q, :]`` (where block
+    indices are given: ``block_q`` and ``block_k`` are their block sizes, 0 without them), and
+    the mask (if any) is True there.
     """
 
     scale: float
@@ -29,10 +31,12 @@ class AttentionParams:
     window_right: int = -1
     deterministic: bool = False
     implementation: str | None = None
+    block_q: int = 0
+    block_k: int = 0
 
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
                        has_segments: bool = False, has_key_ranges: bool = False,
-                       has_row_ranges: bool = False) -> dict:
+                       has_row_ranges: bool = False, has_block_indices: bool = False) -> dict:
         """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
         return dict(
             scale=np.float32(self.scale),
@@ -46,5 +50,8 @@ class AttentionParams:
             has_segments=has_segments,
             has_key_ranges=has_key_ranges,
             has_row_ranges=has_row_ranges,
+            has_block_indices=has_block_indices,
+            block_q=np.int64(self.block_q),
+            block_k=np.int64(self.block_k),
             deterministic=self.deterministic,
         )

@@ -8,7 +8,10 @@ Shapes (leading batch dims ``*B`` may be several; other operands broadcast over 
   ``[*B|1, H|Hk|1, 1, Lk]`` int32 (query ``i`` sees key ``j`` only where
   ``key_start[j] <= i < key_end[j]``; expanded here to a mask, which the kernels never build),
   row_start and row_end ``[*B|1, H|Hk|1, Lq, 1]`` int32 (query ``i`` sees key ``j`` only where
-  ``row_start[i] <= j < row_end[i]``; likewise expanded).
+  ``row_start[i] <= j < row_end[i]``; likewise expanded), block_indices
+  ``[*B|1, H|Hk|1, ceil(Lq / block_q), K]`` int32 (query ``i`` sees key ``j`` only where
+  ``j // block_k`` is among ``block_indices[i // block_q, :]``, the block sizes in params;
+  expanded likewise).
   Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
@@ -64,6 +67,16 @@ def visibility(
     return visible
 
 
+def _listed_blocks(block_indices: jax.Array, block_q: int, block_k: int, seqlen_q: int,
+                   seqlen_k: int) -> jax.Array:
+    """Bool ``[..., Lq, Lk]``: whether key ``j``'s block is listed for query ``i``'s block in
+    ``block_indices [..., nQB, K]`` (entries naming no key block list nothing)."""
+    key_blocks = jnp.arange(-(-seqlen_k // block_k))
+    listed = jnp.any(block_indices[..., None] == key_blocks, axis=-2)  # [..., nQB, nKB]
+    rows = jnp.take(listed, jnp.arange(seqlen_q) // block_q, axis=-2)
+    return jnp.take(rows, jnp.arange(seqlen_k) // block_k, axis=-1)
+
+
 def attention(
     params: AttentionParams,
     q: jax.Array,
@@ -79,6 +92,7 @@ def attention(
     key_end: jax.Array | None = None,
     row_start: jax.Array | None = None,
     row_end: jax.Array | None = None,
+    block_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
     *_, seqlen_q, num_heads, _ = q.shape
@@ -110,6 +124,10 @@ def attention(
         cols = jnp.arange(seqlen_k)
         in_range = (row_start <= cols) & (cols < row_end)  # [*B|1, Hr, Lq, Lk]
         visible = visible & _split_heads(in_range, num_kv_heads, group)
+    if block_indices is not None:
+        listed = _listed_blocks(block_indices, params.block_q, params.block_k, seqlen_q,
+                                seqlen_k)  # [*B|1, Hr, Lq, Lk]
+        visible = visible & _split_heads(listed, num_kv_heads, group)
 
     row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)

@@ -216,6 +216,53 @@ def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: s
     return tuple(jnp.broadcast_to(x, shape) for x in arrays)
 
 
+def check_block_indices(indices, block_q, block_k,
+                        dims: Dims) -> tuple[jax.Array, int, int]:
+    """Block indices (``masks.BlockIndices``): ``indices`` integer ``[B|1, H|Hk|1,
+    ceil(Lq / block_q), K]``, ``block_q`` and ``block_k`` static Python ints ``>= 1``.
+
+    Returns ``(indices, block_q, block_k)``, indices int32 of the same shape with every entry
+    that names no key block (``-1``, and traced values outside ``[0, ceil(Lk / block_k))``) set
+    to -1, so that no cast can wrap a wide value onto a real block; ``K = 0`` becomes one unused
+    slot. Concrete entries other than -1 outside that range are rejected as a likely mistake."""
+    sizes = []
+    for value, name in ((block_q, "BlockIndices.block_q"), (block_k, "BlockIndices.block_k")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be a Python int (static under jit), got "
+                            f"{type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+        sizes.append(int(value))
+    block_q, block_k = sizes
+    num_q_blocks, num_key_blocks = -(-dims.seqlen_q // block_q), -(-dims.seqlen_k // block_k)
+    heads = sorted({1, dims.kv_heads, dims.heads})
+    expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {num_q_blocks}, K] "
+                f"([B|1, H|Hk|1, ceil(Lq / block_q), K] with Lq = {dims.seqlen_q}, block_q = "
+                f"{block_q})")
+    x = as_array(indices, "BlockIndices.indices")
+    if (x.ndim != 4 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
+            or x.shape[2] != num_q_blocks):
+        raise ValueError(f"BlockIndices.indices shape {x.shape} is not accepted; expected an "
+                         f"integer array of shape {expected}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"BlockIndices.indices must be an integer array of shape {expected}, got "
+                        f"dtype {x.dtype.name}")
+    if not isinstance(x, jax.core.Tracer):
+        values = np.asarray(x).astype(np.int64)
+        bad = (values < -1) | (values >= num_key_blocks)
+        if bad.any():
+            raise ValueError(
+                f"BlockIndices.indices entries must be -1 (unused) or key block numbers in "
+                f"[0, ceil(Lk / block_k)) = [0, {num_key_blocks}) (Lk = {dims.seqlen_k}, "
+                f"block_k = {block_k}), got {values[bad].min()} .. {values[bad].max()} "
+                f"outside it")
+    if x.shape[3] == 0:
+        x = jnp.full((*x.shape[:3], 1), -1, jnp.int32)
+    # Selected after the cast: a listed block number fits int32, anything else becomes -1.
+    listed = (x >= 0) & (x < num_key_blocks)
+    return jnp.where(listed, x.astype(jnp.int32), -1), block_q, block_k
+
+
 def check_segment_ids(q_segment_ids, kv_segment_ids,
                       dims: Dims) -> tuple[jax.Array | None, ...]:
     """Sequence-packing segment ids: integer ``[B|1, Lq]`` and ``[B|1, Lk]``, both or neither.

@@ -46,9 +46,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "jax_dmattn.equinox": ("DynamicMaskAttention",),
     "jax_dmattn.flax": ("DynamicMaskAttention", "DynamicMaskAttentionLinen", "attention_fn"),
     "jax_dmattn.masks": (
-        "KeyRanges", "RowRanges", "block_mask", "block_range_mask", "causal_mask", "key_ranges",
-        "list_block_keys", "list_block_keys_and_slots", "padding_mask", "topk_block_keys",
-        "topk_key_ranges", "topk_mask", "window_mask"),
+        "BlockIndices", "KeyRanges", "RowRanges", "block_mask", "block_range_mask", "causal_mask",
+        "key_ranges", "list_block_keys", "list_block_keys_and_slots", "padding_mask",
+        "topk_block_keys", "topk_key_ranges", "topk_mask", "window_mask"),
     "jax_dmattn.ops": (
         "Optionals", "backward", "backward_p", "forward", "forward_p", "gradient_shape",
         "lse_shape", "sum_listed_keys", "sum_listed_keys_p", "uses_kernel"),

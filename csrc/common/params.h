@@ -80,6 +80,7 @@ struct BroadcastOperand {
 //   q_segments: [*batch|1, Lq] int32     kv_segments: [*batch|1, Lk] int32 (the same batch dims)
 //   key_start, key_end: [*batch|1, H|Hk|1, 1, Lk] int32 (the same dims)
 //   row_start, row_end: [*batch|1, H|Hk|1, Lq, 1] int32 (the same dims)
+//   block_indices: [*batch|1, H|Hk|1, ceil(Lq / block_q), K] int32
 // Gradients have their own layouts (dkv_batch, dbias): a gradient sums over exactly the dims where
 // ITS buffer has size 1, which may differ from where the input broadcasts (under vmap an unmapped
 // k or bias is read with stride 0 but its per-example gradient is full-size).
@@ -102,6 +103,12 @@ struct AttentionShape {
   // Row ranges (an O(Lq) mask, the mirror): query i sees key j only if row_start[i] <= j <
   // row_end[i]. Laid out as a mask broadcast over columns; one layout for both arrays.
   BroadcastOperand row_ranges;
+  // Block indices (a block-sparse mask): query i sees key j only if j / block_k is among the
+  // K entries of query block i / block_q (entries outside [0, ceil(Lk / block_k)), -1 for an
+  // unused slot, name no block). Addressed as an operand [nQB, K] per head entry: row_stride K
+  // per query block, col_stride 1 per slot.
+  BroadcastOperand block_indices;
+  int64_t block_q = 0, block_k = 0, block_slots = 0;  // block_slots: K
   BroadcastOperand mask, bias;
   BroadcastOperand dbias;  // backward with a bias only
 
@@ -110,7 +117,7 @@ struct AttentionShape {
   // Key j is visible to query i iff  i + diagonal_offset - window_left <= j
   //                               and j <= i + diagonal_offset + window_right,
   // a window bound < 0 meaning unbounded; causal is window_right = 0. Lengths, segments, key
-  // and row ranges and the mask apply too.
+  // and row ranges, block indices and the mask apply too.
   int64_t diagonal_offset = 0;
   int64_t window_left = -1, window_right = -1;
   bool deterministic = false;
@@ -163,6 +170,7 @@ struct ForwardArgs {
   const int32_t* key_end = nullptr;
   const int32_t* row_start = nullptr;  // row ranges, or null
   const int32_t* row_end = nullptr;
+  const int32_t* block_indices = nullptr;  // block indices, or null
   void* out = nullptr;
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
@@ -195,6 +203,7 @@ struct BackwardArgs {
   const int32_t* key_end = nullptr;
   const int32_t* row_start = nullptr;  // row ranges, or null
   const int32_t* row_end = nullptr;
+  const int32_t* block_indices = nullptr;  // block indices, or null
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

@@ -2,6 +2,7 @@
 // backward recomputes exactly the forward's scores.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -48,10 +49,36 @@ inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad
   }
 }
 
+// listed[c] <- whether tile column c's key block is listed for query block n, c in [0, t.cols):
+// each listed block marks its part of the tile in a difference array (duplicates add, -1 and
+// out-of-range entries mark nothing), so O(K + cols) however wide the blocks are.
+inline void ListedTileCols(const AttentionShape& shape, const HeadItem& item, const Tile& t,
+                           int64_t n, uint8_t* listed) {
+  int32_t delta[kBlockN + 1] = {};
+  const int32_t* blocks = ListedKeyBlocks(shape, item, n);
+  for (int64_t s = 0; s < shape.block_slots; ++s) {
+    const int64_t m = blocks[s];
+    const int64_t lo = std::max<int64_t>(m * shape.block_k - t.j0, 0);
+    const int64_t hi = std::min<int64_t>((m + 1) * shape.block_k - t.j0, t.cols);
+    if (lo < hi) {
+      ++delta[lo];
+      --delta[hi];
+    }
+  }
+  int32_t covering = 0;
+  for (int64_t c = 0; c < t.cols; ++c) {
+    covering += delta[c];
+    listed[c] = covering > 0;
+  }
+}
+
 // s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
-// q_len / kv_len, in another segment, outside the key's range or the row's range, or masked out.
+// q_len / kv_len, in another segment, outside the key's range or the row's range, in a key block
+// the row's query block does not list, or masked out.
 inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
                                 const bool* item_mask, const Tile& t, float* s) {
+  uint8_t listed[kBlockN];
+  int64_t listed_for = -1;  // the query block `listed` was made for (rows share their block's)
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
     float* __restrict srow = s + r * kBlockN;
     const Range vis = r < t.rows ? RowVisibleCols(shape, item, t, r) : Range{};
@@ -75,6 +102,14 @@ inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& ite
       const int64_t lo = item.row_start[t.i0 + r] - t.j0, hi = item.row_end[t.i0 + r] - t.j0;
       for (int64_t c = vis.begin; c < vis.end; ++c)
         srow[c] = (lo <= c && c < hi) ? srow[c] : -INFINITY;
+    }
+    if (item.block_indices != nullptr && !vis.empty()) {
+      const int64_t n = (t.i0 + r) / shape.block_q;
+      if (n != listed_for) {
+        ListedTileCols(shape, item, t, n, listed);
+        listed_for = n;
+      }
+      for (int64_t c = vis.begin; c < vis.end; ++c) srow[c] = listed[c] ? srow[c] : -INFINITY;
     }
     if (item_mask == nullptr || vis.empty()) continue;
     // Read as bytes: g++ vectorises this select, but not the same loop over bool.

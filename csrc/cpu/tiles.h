@@ -41,9 +41,13 @@ struct HeadItem {
   // The item's row ranges (row i sees keys [row_start[i], row_end[i])), or null.
   const int32_t* row_start = nullptr;  // [Lq]
   const int32_t* row_end = nullptr;    // [Lq]
+  // The item's block indices (query block n sees the key blocks block_indices[n * K + 0..K)),
+  // or null.
+  const int32_t* block_indices = nullptr;  // [ceil(Lq / block_q), K]
 };
 
-// Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges).
+// Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges, block
+// indices).
 template <typename Args>
 HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, int64_t h) {
   HeadItem item;
@@ -68,6 +72,9 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
     const int64_t at = shape.row_ranges.offset(shape.batch, b, h);
     item.row_start = args.row_start + at;
     item.row_end = args.row_end + at;
+  }
+  if (shape.block_indices.present) {
+    item.block_indices = args.block_indices + shape.block_indices.offset(shape.batch, b, h);
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -204,13 +211,37 @@ inline bool TileRangesMeet(const HeadItem& item, const Tile& t) {
                                                      t.rows, t.j0, t.j0 + t.cols));
 }
 
-// Whether any (row, key) of the tile is visible: the segment ids' spans, the key and row ranges
-// and the diagonal/window rule first, then an OR over the mask entries they leave (upstream's
-// __syncthreads_or). A false answer means the tile is skipped: no K/V/bias loads, no math.
-// item_mask is null when there is no mask.
+// The K key blocks query block n lists (entries naming no block included).
+inline const int32_t* ListedKeyBlocks(const AttentionShape& shape, const HeadItem& item,
+                                      int64_t n) {
+  return item.block_indices + n * shape.block_indices.row_stride;
+}
+
+// Whether a key block listed for one of the tile's query blocks meets its keys [j0, j0 + cols):
+// key block m holds keys [m * block_k, (m + 1) * block_k), so -1 and any entry outside
+// [0, ceil(Lk / block_k)) meet no tile. Exact per query block, O(K) each.
+inline bool TileBlocksMeet(const AttentionShape& shape, const HeadItem& item, const Tile& t) {
+  if (item.block_indices == nullptr) return true;
+  const int64_t bk = shape.block_k, j_end = t.j0 + t.cols;
+  const int64_t last = (t.i0 + t.rows - 1) / shape.block_q;
+  for (int64_t n = t.i0 / shape.block_q; n <= last; ++n) {
+    const int32_t* listed = ListedKeyBlocks(shape, item, n);
+    for (int64_t s = 0; s < shape.block_slots; ++s) {
+      const int64_t m = listed[s];
+      if (std::max(m * bk, t.j0) < std::min((m + 1) * bk, j_end)) return true;
+    }
+  }
+  return false;
+}
+
+// Whether any (row, key) of the tile is visible: the segment ids' spans, the key and row ranges,
+// the block indices and the diagonal/window rule first, then an OR over the mask entries they
+// leave (upstream's __syncthreads_or). A false answer means the tile is skipped: no K/V/bias
+// loads, no math. item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t))
+  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t) ||
+      !TileBlocksMeet(shape, item, t))
     return false;
   // The rule's visible columns only move right down the rows, so it leaves the whole tile when
   // the last row starts at column 0 and the first row ends at the last column: the common case,

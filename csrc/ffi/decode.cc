@@ -234,6 +234,40 @@ ffi::Error DecodeRanges(ffi::AnyBuffer start, ffi::AnyBuffer end, int64_t rows, 
   return DecodeBroadcastOperand(start, *s, name, out);
 }
 
+// Block indices: int32 [*batch|1, H|Hk|1, ceil(Lq / block_q), K] with K >= 1 and positive block
+// sizes; addressed per head entry as [nQB, K] (a row per query block, a column per slot).
+ffi::Error DecodeBlockIndices(ffi::AnyBuffer indices, int64_t block_q, int64_t block_k,
+                              AttentionShape* s) {
+  const auto dims = indices.dimensions();
+  const int r = s->batch.rank;
+  const bool sizes_ok = block_q > 0 && block_k > 0;
+  const bool ok = sizes_ok && indices.element_type() == ffi::DataType::S32 &&
+                  static_cast<int>(dims.size()) == r + 3 &&
+                  dims[r + 1] == (s->seqlen_q + block_q - 1) / block_q && dims[r + 2] >= 1;
+  if (!ok) {
+    return Invalid("block indices must be int32 [*batch, H|Hk|1, ceil(Lq / block_q), K >= 1] "
+                   "with block sizes >= 1, got " + DimsString(dims) + " with block_q " +
+                   std::to_string(block_q) + ", block_k " + std::to_string(block_k));
+  }
+  const int64_t heads = dims[r];
+  if (heads != 1 && heads != s->num_kv_heads && heads != s->num_heads) {
+    return Invalid("block indices shape " + DimsString(dims) + " is not broadcastable");
+  }
+  DMATTN_ASSIGN_OR_RETURN(batch, BroadcastBatchStrides(dims, s->batch, "block indices"));
+  BroadcastOperand& op = s->block_indices;
+  op.present = true;
+  op.batch = batch;
+  op.heads_per_entry = s->num_heads / heads;
+  op.head_stride = dims[r + 1] * dims[r + 2];
+  op.row_stride = dims[r + 2];
+  op.col_stride = 1;
+  op.num_elements = static_cast<int64_t>(indices.element_count());
+  s->block_q = block_q;
+  s->block_k = block_k;
+  s->block_slots = dims[r + 2];
+  return ffi::Error::Success();
+}
+
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
 // the call's pointers (ForwardArgs or BackwardArgs).
 template <typename Args>
@@ -288,6 +322,11 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
     }
     p->row_start = static_cast<const int32_t*>(rs.untyped_data());
     p->row_end = static_cast<const int32_t*>(re.untyped_data());
+  }
+  if (attrs.has_block_indices) {
+    DMATTN_ASSIGN_OR_RETURN(bi, cursor.Next("block_indices"));
+    if (auto e = DecodeBlockIndices(bi, attrs.block_q, attrs.block_k, s); e.failure()) return e;
+    p->block_indices = static_cast<const int32_t*>(bi.untyped_data());
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));

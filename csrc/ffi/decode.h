@@ -2,11 +2,12 @@
 //
 // Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
 //   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
-//                  [key_start, key_end], [row_start, row_end], [mask_map, mask_bits]
+//                  [key_start, key_end], [row_start, row_end], [block_indices],
+//                  [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
 //                  [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-//                  [mask_map, mask_bits]
+//                  [block_indices], [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
@@ -33,6 +34,9 @@ struct AttentionAttrs {
   bool has_segments;
   bool has_key_ranges;
   bool has_row_ranges;
+  bool has_block_indices;
+  int64_t block_q;  // the block indices' block sizes (0 without them)
+  int64_t block_k;
   bool deterministic;
 };
 
@@ -80,4 +84,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_seqlens"), ::xla::ffi::StructMember<bool>("has_segments"),
     ::xla::ffi::StructMember<bool>("has_key_ranges"),
     ::xla::ffi::StructMember<bool>("has_row_ranges"),
+    ::xla::ffi::StructMember<bool>("has_block_indices"),
+    ::xla::ffi::StructMember<int64_t>("block_q"), ::xla::ffi::StructMember<int64_t>("block_k"),
     ::xla::ffi::StructMember<bool>("deterministic"));

@@ -109,8 +109,8 @@ def local_gpu_compute_capability() -> str | None:
 
 # ---- calls ----------------------------------------------------------------------------------
 # Operand order and workspaces mirror csrc/ffi/decode.h: the fixed operands, then [mask], [bias],
-# [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end], [row_start, row_end], then
-# (CUDA) the mask's map and bits. Every operand
+# [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
+# [block_indices], then (CUDA) the mask's map and bits. Every operand
 # has the same number of leading batch dims (size 1 where it broadcasts); the kernels take at most
 # MAX_BATCH_DIMS of them, so neighbouring dims that every operand treats alike are merged first (a
 # free reshape). A CUDA call with a mask also takes the mask's block map, made by its own call

@@ -1,7 +1,8 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-Attention: an unmapped mask, bias, length, segment id, key or row range array gets a size-1 dim
-there (a free reshape) and is read with stride 0, so vmap never copies it; k and v likewise when
+Attention: an unmapped mask, bias, length, segment id, key or row range or block index array
+gets a size-1 dim there (a free reshape) and is read with stride 0, so vmap never copies it (the
+block indices are one array, in no pair); k and v likewise when
 both are unmapped, and so are the two lengths, the two segment id arrays and the two key (or row)
 range arrays (each pair is read through one set of batch strides: where only one of a pair is
 mapped, the other is broadcast, O(L) int32). The query-shaped operands (q, and out/dout/lse/dlse

@@ -4,7 +4,7 @@
 ``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
 other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
 out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask, the lengths,
-the segment ids and the key and row ranges get none).
+the segment ids, the key and row ranges and the block indices get none).
 """
 
 from __future__ import annotations
@@ -34,16 +34,20 @@ def attention(
     key_end: jax.Array | None = None,
     row_start: jax.Array | None = None,
     row_end: jax.Array | None = None,
+    block_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands (segment ids int32
     ``[B|1, Lq]`` and ``[B|1, Lk]`` of one batch pattern, or both None; key ranges int32
     ``[B|1, H|Hk|1, 1, Lk]`` of one shape, or both None; row ranges int32 ``[B|1, H|Hk|1, Lq,
-    1]`` of one shape, or both None)."""
+    1]`` of one shape, or both None; block indices int32 ``[B|1, H|Hk|1, ceil(Lq / block_q),
+    K]`` with ``params.block_q`` and ``params.block_k`` set, or None)."""
     if params.implementation == "xla":
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                                   kv_segments, key_start, key_end, row_start, row_end)
+                                   kv_segments, key_start, key_end, row_start, row_end,
+                                   block_indices)
     return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                                          kv_segments, key_start, key_end, row_start, row_end))
+                                          kv_segments, key_start, key_end, row_start, row_end,
+                                          block_indices))
 
 
 def _varying_axes(x) -> frozenset:
@@ -67,35 +71,37 @@ def vary_alike(*operands):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-               key_end, row_start, row_end):
+               key_end, row_start, row_end, block_indices):
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end)
+                           key_start, key_end, row_start, row_end, block_indices)
     return out, lse
 
 
 def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                   key_start, key_end, row_start, row_end):
+                   key_start, key_end, row_start, row_end, block_indices):
     # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end, float32_out=True)
+                           key_start, key_end, row_start, row_end, block_indices,
+                           float32_out=True)
     residuals = (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-                 key_end, row_start, row_end, out, lse)
+                 key_end, row_start, row_end, block_indices, out, lse)
     return (out.astype(q.dtype), lse), residuals
 
 
 def _attention_bwd(params, residuals, cotangents):
     (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
-     row_end, out, lse) = residuals
+     row_end, block_indices, out, lse) = residuals
     dout, dlse = cotangents
-    no_grads = (None,) * 8  # the lengths, segment ids, key and row ranges: integer inputs
+    # the lengths, segment ids, key and row ranges and block indices: integer inputs
+    no_grads = (None,) * 9
     if bias is not None and _bias_shifts_rows(params, bias):
         dq, dk, dv, _ = ops.backward(params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse,
                                      mask, None, q_lens, kv_lens, q_segments, kv_segments,
-                                     key_start, key_end, row_start, row_end)
+                                     key_start, key_end, row_start, row_end, block_indices)
         return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads
     dq, dk, dv, dbias = ops.backward(params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens,
                                      kv_lens, q_segments, kv_segments, key_start, key_end,
-                                     row_start, row_end)
+                                     row_start, row_end, block_indices)
     return dq, dk, dv, None, dbias, *no_grads
 
 

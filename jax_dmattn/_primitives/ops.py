@@ -3,14 +3,16 @@ and the gradient of dynamic attention's key gathers (:func:`sum_listed_keys`).
 
 Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
   forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
-           [key_start, key_end], [row_start, row_end]`` -> ``out, lse``
+           [key_start, key_end], [row_start, row_end], [block_indices]`` -> ``out, lse``
   backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
-           [q_segments, kv_segments], [key_start, key_end], [row_start, row_end]``
-           -> ``dq, dk, dv, [dbias]``
+           [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
+           [block_indices]`` -> ``dq, dk, dv, [dbias]``
 (the lengths int32 ``[*B]``, the segment ids int32 ``[*B, Lq]`` and ``[*B, Lk]``, the key ranges
 int32 ``[*B, H|Hk|1, 1, Lk]``: a mask broadcast over rows, the row ranges int32
-``[*B, H|Hk|1, Lq, 1]``: a mask broadcast over columns). k, v, mask, bias, the lengths, the
-segment ids and the ranges may have size 1 on any batch dim (read with stride 0, never copied);
+``[*B, H|Hk|1, Lq, 1]``: a mask broadcast over columns, the block indices int32
+``[*B, H|Hk|1, ceil(Lq / block_q), K]`` with the block sizes in the params). k, v, mask, bias,
+the lengths, the segment ids, the ranges and the block indices may have size 1 on any batch dim
+(read with stride 0, never copied);
 the two lengths, like the two segment id arrays and each pair of range arrays, share one batch
 pattern. Gradients are
 per example over the vmap dims and summed over the API broadcast dims, so dk/dv have the full
@@ -18,10 +20,10 @@ batch dims and dbias has the bias's shape with full vmap dims.
 
 Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
 bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
-pure-JAX reference (also for calls with key or row ranges on a GPU: the CUDA kernels do not read
-them yet). The kernel calls are ``sharding``'s, partitioned so that sharded inputs stay
-sharded; sharding builds on this module, so it hands them over (:func:`register_lowerings`) when
-it is imported, which the package's ``__init__`` does.
+pure-JAX reference (also for calls with key or row ranges or block indices on a GPU: the CUDA
+kernels do not read them yet). The kernel calls are ``sharding``'s, partitioned so that sharded
+inputs stay sharded; sharding builds on this module, so it hands them over
+(:func:`register_lowerings`) when it is imported, which the package's ``__init__`` does.
 """
 
 from __future__ import annotations
@@ -62,18 +64,19 @@ class Optionals(NamedTuple):
     has_segments: bool = False
     has_key_ranges: bool = False
     has_row_ranges: bool = False
+    has_block_indices: bool = False
     float32_out: bool = False
 
     @classmethod
-    def of(cls, mask, bias, q_lens, q_segments=None, key_start=None,
-           row_start=None) -> Optionals:
+    def of(cls, mask, bias, q_lens, q_segments=None, key_start=None, row_start=None,
+           block_indices=None) -> Optionals:
         return cls(mask is not None, bias is not None, q_lens is not None, q_segments is not None,
-                   key_start is not None, row_start is not None)
+                   key_start is not None, row_start is not None, block_indices is not None)
 
     def split(self, extras: Sequence) -> tuple:
         """``[mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end],
-        [row_start, row_end]`` -> ``(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-        key_start, key_end, row_start, row_end)`` with Nones."""
+        [row_start, row_end], [block_indices]`` -> ``(mask, bias, q_lens, kv_lens, q_segments,
+        kv_segments, key_start, key_end, row_start, row_end, block_indices)`` with Nones."""
         extras = list(extras)
         mask = extras.pop(0) if self.has_mask else None
         bias = extras.pop(0) if self.has_bias else None
@@ -84,9 +87,10 @@ class Optionals(NamedTuple):
                               else (None, None))
         row_start, row_end = ((extras.pop(0), extras.pop(0)) if self.has_row_ranges
                               else (None, None))
+        block_indices = extras.pop(0) if self.has_block_indices else None
         assert not extras
         return (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end,
-                row_start, row_end)
+                row_start, row_end, block_indices)
 
     def out_dtype(self, q_dtype):
         return jnp.float32 if self.float32_out else q_dtype
@@ -95,7 +99,8 @@ class Optionals(NamedTuple):
         return params.ffi_attributes(has_mask=self.has_mask, has_bias=self.has_bias,
                                      has_seqlens=self.has_seqlens, has_segments=self.has_segments,
                                      has_key_ranges=self.has_key_ranges,
-                                     has_row_ranges=self.has_row_ranges)
+                                     has_row_ranges=self.has_row_ranges,
+                                     has_block_indices=self.has_block_indices)
 
 
 def _present(*xs):
@@ -104,23 +109,24 @@ def _present(*xs):
 
 def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None,
             q_segments=None, kv_segments=None, key_start=None, key_end=None, row_start=None,
-            row_end=None, float32_out: bool = False):
+            row_end=None, block_indices=None, float32_out: bool = False):
     """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``; out in q's dtype, or float32."""
-    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start)._replace(
-        float32_out=float32_out)
+    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start,
+                        block_indices)._replace(float32_out=float32_out)
     return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                                             key_start, key_end, row_start, row_end),
+                                             key_start, key_end, row_start, row_end,
+                                             block_indices),
                           params=params, opts=opts)
 
 
 def backward(params: AttentionParams, q, k, v, out, dout, lse, dlse, mask=None, bias=None,
              q_lens=None, kv_lens=None, q_segments=None, kv_segments=None, key_start=None,
-             key_end=None, row_start=None, row_end=None):
+             key_end=None, row_start=None, row_end=None, block_indices=None):
     """``(dq, dk, dv, dbias)``; dbias is None without a bias."""
-    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start)
+    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start, block_indices)
     grads = backward_p.bind(q, k, v, out, dout, lse, dlse,
                             *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                                      key_start, key_end, row_start, row_end),
+                                      key_start, key_end, row_start, row_end, block_indices),
                             params=params, opts=opts)
     return (*grads, None) if not opts.has_bias else tuple(grads)
 
@@ -210,11 +216,12 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
-                has_key_ranges: bool = False, has_row_ranges: bool = False) -> bool:
+                has_key_ranges: bool = False, has_row_ranges: bool = False,
+                has_block_indices: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or with key or row ranges, which the CUDA kernels do not read
-    yet), implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
-    reference)."""
+    without a kernel for the call (or with key or row ranges or block indices, which the CUDA
+    kernels do not read yet), implementation="cuda" raises and None warns once per reason (then
+    runs the pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -230,6 +237,9 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
     if missing is None and has_row_ranges:
         missing = ("the CUDA kernels do not read row ranges (masks.RowRanges) yet",
+                   "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
+    if missing is None and has_block_indices:
+        missing = ("the CUDA kernels do not read block indices (masks.BlockIndices) yet",
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
     if missing is not None:
         reason, fix = missing
@@ -251,11 +261,12 @@ def _reference_forward(params, opts, q, k, v, *extras):
 
 def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
     (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
-     row_end) = opts.split(extras)
+     row_end, block_indices) = opts.split(extras)
 
     def fn(q, k, v, bias):
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
-                                   kv_segments, key_start, key_end, row_start, row_end)
+                                   kv_segments, key_start, key_end, row_start, row_end,
+                                   block_indices)
 
     _, vjp = jax.vjp(fn, q, k, v, bias)
     dq, dk, dv, dbias = vjp((dout, dlse.astype(lse.dtype)))
@@ -266,7 +277,7 @@ def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
         if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges):
+                       opts.has_row_ranges, opts.has_block_indices):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

@@ -96,7 +96,14 @@ class _Layout:
                 # Key (row) ranges are laid out as a mask broadcast over rows (columns), and
                 # sharded as one.
                 + (["ranges", "ranges"] if self.opts.has_key_ranges else [])
-                + (["ranges", "ranges"] if self.opts.has_row_ranges else []))
+                + (["ranges", "ranges"] if self.opts.has_row_ranges else [])
+                + (["blocks"] if self.opts.has_block_indices else []))
+
+    def absolute_positions(self) -> bool:
+        """Whether an operand's rule names absolute sequence positions (segment ids, ranges,
+        block indices), which a ring over sequence chunks cannot shift."""
+        return (self.opts.has_segments or self.opts.has_key_ranges or self.opts.has_row_ranges
+                or self.opts.has_block_indices)
 
 
 def _shard_count(mesh, axes) -> int:
@@ -142,7 +149,7 @@ def _plan(mesh, layout: _Layout, params, q_spec: tuple) -> _Plan:
     opts = layout.opts
     if seq_shards == 1 or not context_parallel.ring_supported(
             params, opts.has_seqlens, layout.seqlen_q, layout.seqlen_k, seq_shards,
-            opts.has_segments or opts.has_key_ranges or opts.has_row_ranges):
+            layout.absolute_positions()):
         seq_axes = None
     return _Plan(batch_axes, head_axes, kv_head_axes, seq_axes)
 
@@ -168,6 +175,8 @@ def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
         axes = plan.kv_heads
     else:
         axes = None
+    if kind == "blocks":  # query blocks and their slots replicated (never a ring)
+        return PartitionSpec(*batch, axes, None, None)
     # A mask/bias keeps its query rows with q's; each ring step slices its key columns locally.
     rows = plan.seq if shape[nb + 1] == layout.seqlen_q else None
     return PartitionSpec(*batch, axes, rows, None)
@@ -281,6 +290,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
         nb = layout.num_batch
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
+        if kind == "blocks":  # query blocks and slots: factors of their own, replicated
+            return [*bat, head, next(names), next(names)]
         row = lq if shape[nb + 1] == layout.seqlen_q else next(names)
         col = kc if shape[nb + 2] == layout.seqlen_k else next(names)
         return [*bat, head, row, col]
@@ -301,9 +312,7 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # The sequences may stay sharded where the partition callback can run the call as a ring
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
-                                               layout.seqlen_k,
-                                               opts.has_segments or opts.has_key_ranges
-                                               or opts.has_row_ranges)
+                                               layout.seqlen_k, layout.absolute_positions())
     factors = (d, kc) if ringable else (lq, lk, d, kc)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
