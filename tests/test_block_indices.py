@@ -1,0 +1,423 @@
+"""Block indices (``masks.BlockIndices``, issue 24): a block-sparse mask in O(Lq / block_q · K)
+form: each block of ``block_q`` query rows sees exactly the key blocks (of ``block_k`` keys) it
+lists, and-ed with every other rule.
+
+The oracle is the float64 ``xla`` implementation run on the equivalent dense bool mask (built
+here with numpy, independently of the library's block code). The CPU kernels read the indices
+directly; on a GPU they run the reference (the CUDA kernels do not read them yet).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_row_ranges import assert_close, flash, outputs_and_grads, qkv, to64
+from test_segments import array_sizes
+
+from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
+
+# ---- inputs and the oracle --------------------------------------------------------------------
+
+
+def num_blocks(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def random_indices(rng: np.random.Generator, lead: tuple[int, ...], seqlen_q: int, seqlen_k: int,
+                   block_q: int, block_k: int, slots: int,
+                   unlisted: tuple[int, ...] = ()) -> np.ndarray:
+    """int32 ``[*lead, ceil(Lq / block_q), slots]`` of key block numbers and -1 (about a quarter
+    of the slots), with duplicates (slot 1 repeats slot 0 in about a third of the query blocks),
+    query block 1 listing nothing (its rows see no key) and the key blocks `unlisted` listed by
+    no query block."""
+    nq, nk = num_blocks(seqlen_q, block_q), num_blocks(seqlen_k, block_k)
+    choices = np.array([m for m in range(nk) if m not in unlisted])
+    x = rng.choice(choices, (*lead, nq, slots))
+    x = np.where(rng.random(x.shape) < 0.25, -1, x)
+    if slots > 1:
+        repeat = rng.random((*lead, nq)) < 1 / 3
+        x[..., 1] = np.where(repeat, x[..., 0], x[..., 1])
+    if nq > 1:
+        x[..., 1, :] = -1
+    return x.astype(np.int32)
+
+
+def dense_mask(indices: np.ndarray, seqlen_q: int, seqlen_k: int, block_q: int,
+               block_k: int) -> np.ndarray:
+    """bool ``[..., Lq, Lk]`` of indices ``[..., nQB, K]``: (i, j) where ``j // block_k`` is
+    among ``indices[..., i // block_q, :]``."""
+    key_block = np.arange(seqlen_k) // block_k  # [Lk]
+    rows = indices[..., np.arange(seqlen_q) // block_q, :]  # [..., Lq, K]
+    return (rows[..., :, :, None] == key_block).any(axis=-2)
+
+
+# ---- conformance against the float64 reference ------------------------------------------------
+
+CASES = [
+    # batch, Lq, Lk, H, Hk, D, index heads (1, Hk or H), index batch, block_q, block_k, K,
+    # causal, bias, dtype
+    (2, 130, 200, 4, 4, 32, 4, 2, 16, 64, 4, False, None, jnp.float32),
+    (2, 130, 200, 4, 2, 64, 2, 1, 48, 16, 6, True, None, jnp.float32),
+    (1, 200, 130, 4, 1, 80, 1, 1, 128, 48, 3, True, "full", jnp.float32),
+    (2, 96, 257, 6, 2, 64, 6, 2, 64, 128, 2, False, "full", jnp.float32),
+    (2, 129, 129, 4, 2, 128, 2, 2, 7, 1, 40, True, "keys", jnp.float32),
+    (1, 150, 190, 2, 2, 64, 2, 1, 48, 48, 4, False, "full", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:13])))
+def test_matches_float64_reference(case):
+    """Outputs, lse and gradients (dbias included) of the CPU kernels against the float64
+    reference on the dense mask: random indices with unused slots and duplicates, a query block
+    listing nothing (rows with no visible key), block sizes that do not divide Lq / Lk and differ
+    from the kernels' tiles, GQA, causality, biases of full and per-key shape, head dims
+    32-128."""
+    batch, lq, lk, heads, kv_heads, d, iheads, ibatch, bq, bk, slots, causal, bias_kind, dtype = \
+        case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
+    indices = random_indices(rng, (ibatch, iheads), lq, lk, bq, bk, slots)
+    bias = None
+    if bias_kind == "full":
+        bias = jnp.asarray(rng.standard_normal((batch, kv_heads, lq, lk)), dtype)
+    elif bias_kind == "keys":
+        bias = jnp.asarray(rng.standard_normal((1, heads, 1, lk)), dtype)
+    mask = dense_mask(indices, lq, lk, bq, bk)
+    assert mask.any() and not mask.all()
+    out, lse, grads = outputs_and_grads(flash("cpu", is_causal=causal), q, k, v, bias,
+                                        masks.BlockIndices(indices, bq, bk))
+    ref_out, ref_lse, ref_grads = outputs_and_grads(
+        flash("xla", is_causal=causal), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
+    assert not np.isfinite(np.asarray(ref_lse)).all(), "the case should have empty rows"
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, jnp.float32, "lse")
+    names = "q k v bias".split()[:len(grads)]
+    for name, g, ref in zip(names, grads, ref_grads, strict=True):
+        assert g.dtype == dtype, name
+        assert_close(g, ref, dtype, f"d{name}")
+
+
+def test_reference_matches_float64_dense_mask():
+    """The ``xla`` implementation's own expansion of the indices (float64) gives what it gives on
+    the dense mask built here."""
+    rng = np.random.default_rng(9)
+    lq, lk, bq, bk = 90, 110, 16, 24
+    q, k, v = (to64(x) for x in qkv(rng, 2, lq, lk, 4, 2, 32))
+    indices = random_indices(rng, (2, 1), lq, lk, bq, bk, 3)
+    got = flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), return_lse=True,
+                       implementation="xla")
+    want = flash_dmattn(q, k, v, jnp.asarray(dense_mask(indices, lq, lk, bq, bk)),
+                        return_lse=True, implementation="xla")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_equals_dense_mask_with_every_rule():
+    """Block indices give what the equivalent dense bool mask gives through the same CPU
+    kernels, with a window, sequence lengths and segment ids (dot_product_attention) and a
+    bias."""
+    rng = np.random.default_rng(7)
+    batch, lq, lk, heads, kv_heads, d = 2, 140, 170, 4, 2, 64
+    bq, bk = 20, 30
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d)
+    indices = random_indices(rng, (batch, kv_heads), lq, lk, bq, bk, 4)
+    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
+    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
+    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
+    kw = dict(local_window_size=(50, 10), query_seq_lengths=jnp.array([140, 90], jnp.int32),
+              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
+              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
+
+    def fn(q, k, v, mask, bias):
+        return dot_product_attention(q, k, v, bias, mask, **kw)
+
+    out, lse, grads = outputs_and_grads(fn, q, k, v, bias, masks.BlockIndices(indices, bq, bk))
+    dense = jnp.asarray(dense_mask(indices, lq, lk, bq, bk))
+    ref_out, ref_lse, ref_grads = outputs_and_grads(fn, q, k, v, bias, dense)
+    np.testing.assert_allclose(out, ref_out, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-6)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+def test_to_mask_and_unbatched_inputs():
+    """``to_mask`` is the dense form; dot_product_attention takes 3-D inputs with indices
+    ``[N|K|1, nQB, K]`` and gives the 4-D call's answer; indices with K = 0 list nothing."""
+    rng = np.random.default_rng(3)
+    lq, lk, heads, kv_heads, d, bq, bk = 100, 120, 4, 2, 32, 32, 16
+    q, k, v = qkv(rng, 1, lq, lk, heads, kv_heads, d)
+    indices = random_indices(rng, (1, kv_heads), lq, lk, bq, bk, 3)
+    blocks = masks.BlockIndices(indices, bq, bk)
+    np.testing.assert_array_equal(blocks.to_mask(lq, lk), dense_mask(indices, lq, lk, bq, bk))
+    got = dot_product_attention(q[0], k[0], v[0], mask=masks.BlockIndices(indices[0], bq, bk),
+                                implementation="cpu")
+    want = dot_product_attention(q, k, v, mask=blocks, implementation="cpu")
+    np.testing.assert_allclose(got, want[0], atol=0)
+    none = masks.BlockIndices(np.zeros((1, 1, num_blocks(lq, bq), 0), np.int32), bq, bk)
+    out, lse = flash_dmattn(q, k, v, none, return_lse=True, implementation="cpu")
+    np.testing.assert_array_equal(out, 0)
+    assert np.isneginf(np.asarray(lse)).all()
+
+
+def test_tiles_of_unlisted_key_blocks_are_skipped():
+    """A key block no query block lists is never read: NaN values there reach no output row (a
+    processed tile would give 0 · NaN). The control lists one of them for query block 0, whose
+    rows then do read it."""
+    rng = np.random.default_rng(11)
+    lq = lk = 192
+    bq, bk = 48, 32  # the kernels' 64-key tile 64..127 is key blocks 2 and 3
+    q, k, v = qkv(rng, 1, lq, lk, 2, 2, 32)
+    v = v.at[:, 64:128].set(jnp.nan)
+    indices = random_indices(rng, (1, 2), lq, lk, bq, bk, 4, unlisted=(2, 3))
+    out = flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), implementation="cpu")
+    assert np.isfinite(np.asarray(out)).all()
+    indices[..., 0, 0] = 2
+    out = flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), implementation="cpu")
+    assert not np.isfinite(np.asarray(out[:, :bq])).all()
+
+
+# ---- transformations -----------------------------------------------------------------------------
+
+
+def test_jit_vmap_and_grad():
+    """Under jit and vmap (indices mapped or not) the kernels agree with per-example calls,
+    gradients included."""
+    rng = np.random.default_rng(5)
+    n, lq, lk, bq, bk = 3, 70, 90, 16, 32
+    q, k, v = qkv(rng, n, lq, lk, 2, 1, 32)
+    q, k, v = q[:, None], k[:, None], v[:, None]  # n examples of batch 1
+    indices = random_indices(rng, (n, 1, 1), lq, lk, bq, bk, 3)
+
+    def one(q, k, v, indices):
+        return flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), is_causal=True,
+                            implementation="cpu")
+
+    def loss(q, k, v, indices):
+        return jnp.sum(jnp.sin(one(q, k, v, indices)))
+
+    for axes in [(0, 0, 0, 0), (0, 0, 0, None), (0, None, None, 0)]:
+        args = [x if a is not None else x[0] for x, a in zip((q, k, v, indices), axes,
+                                                             strict=True)]
+        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
+        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
+        for e in range(n):
+            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
+            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
+            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
+                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+
+
+def test_block_indices_pytree_through_jit_and_vmap():
+    """BlockIndices is a pytree whose only leaf is the indices: the block sizes stay static
+    through jit (a new size retraces) and vmap maps the indices alone."""
+    rng = np.random.default_rng(6)
+    lq, lk = 40, 50
+    q, k, v = qkv(rng, 2, lq, lk, 2, 2, 16)
+    blocks = masks.BlockIndices(random_indices(rng, (2, 1, 1), lq, lk, 8, 16, 2), 8, 16)
+    assert jax.tree_util.tree_leaves(blocks) == [blocks.indices]
+    got = jax.vmap(lambda q, k, v, b: flash_dmattn(q[None], k[None], v[None], b,
+                                                   implementation="cpu")[0])(q, k, v, blocks)
+    want = flash_dmattn(q, k, v, blocks._replace(indices=blocks.indices[:, 0]),
+                        implementation="cpu")
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    fn = jax.jit(lambda q, k, v, b: flash_dmattn(q, k, v, b, implementation="cpu"))
+    other = masks.BlockIndices(random_indices(rng, (2, 1), lq, lk, 8, 10, 2), 8, 10)
+    for b in (blocks._replace(indices=blocks.indices[:, 0]), other):
+        np.testing.assert_allclose(fn(q, k, v, b), flash_dmattn(q, k, v, b, implementation="cpu"),
+                                   atol=1e-6)
+
+
+def test_sharded_over_batch_and_heads():
+    """Sharded over batch and heads, block indices give the single-device answer."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = Mesh(devices, ("b", "h"))
+    rng = np.random.default_rng(8)
+    lq, lk, bq, bk = 80, 100, 16, 24
+    q, k, v = qkv(rng, 2, lq, lk, 4, 2, 32)
+    indices = random_indices(rng, (2, 2), lq, lk, bq, bk, 3)
+
+    def loss(q, k, v, indices):
+        out = flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), implementation="cpu")
+        return jnp.sum(jnp.sin(out)), out
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    want_grads, want = fn(q, k, v, indices)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    got_grads, got = fn(put(q, P("b", None, "h")), put(k, P("b", None, "h")),
+                        put(v, P("b", None, "h")), put(indices, P("b", "h")))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for g, ref in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+def test_ffi_operands_and_attributes(monkeypatch):
+    """The block indices reach both FFI calls as int32 ``[B, Hr, nQB, K]`` after the segment
+    ids, with ``has_block_indices`` and the block sizes set (and no range flag); build_info
+    reports them."""
+    assert _ffi.build_info()["block_indices"] is True
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
+    indices = random_indices(rng, (2, 2), 24, 32, 5, 3, 4).astype(np.int64)
+    ids = np.zeros((2, 24), np.int32), np.zeros((2, 32), np.int32)
+
+    def loss(q, k, v):
+        return jnp.sum(flash_dmattn(q, k, v, masks.BlockIndices(indices, 5, 3),
+                                    q_segment_ids=ids[0], kv_segment_ids=ids[1],
+                                    implementation="cpu"))
+
+    jax.jit(jax.grad(loss)).lower(q, k, v)
+    by_target = {target: (operands, attrs) for target, operands, attrs in calls}
+    assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
+    i32 = jnp.dtype(jnp.int32)
+    for operands, attrs in by_target.values():
+        assert operands[-3:] == [((2, 24), i32), ((2, 32), i32), ((2, 2, 5, 4), i32)], operands
+        assert attrs["has_block_indices"] is True
+        assert (attrs["block_q"], attrs["block_k"]) == (5, 3)
+        assert attrs["has_key_ranges"] is False and attrs["has_row_ranges"] is False
+
+
+def test_training_step_has_no_lq_by_lk_array():
+    """jit(value_and_grad) of a causal call with block indices as an argument of the step: every
+    array of the lowered program and of the compiled one holds fewer than Lq·Lk elements (the
+    control, the same step given the dense mask, does hold one)."""
+    rng = np.random.default_rng(12)
+    seqlen, bq, bk = 1024, 64, 128
+    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
+    indices = jnp.asarray(random_indices(rng, (2, 2), seqlen, seqlen, bq, bk, 4))
+
+    def texts(mask):
+        def loss(q, k, v, mask):
+            out = flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
+            return jnp.sum(out ** 2)
+
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask)
+        return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
+
+    for form, text in texts(masks.BlockIndices(indices, bq, bk)).items():
+        sizes = array_sizes(text)
+        assert sizes, form
+        assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
+    dense = masks.BlockIndices(indices, bq, bk).to_mask(seqlen, seqlen)
+    for form, text in texts(dense).items():
+        assert max(array_sizes(text))[0] >= seqlen * seqlen, form
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, dtype, block_q, block_k, value, error, match", [
+    ((2, 3, 5, 2), np.int32, 8, 10, None, ValueError, r"BlockIndices.indices shape \(2, 3, 5, 2\)"),
+    ((2, 2, 4, 2), np.int32, 8, 10, None, ValueError, r"ceil\(Lq / block_q\)"),
+    ((2, 5, 2), np.int32, 8, 10, None, ValueError, "shape"),
+    ((3, 2, 5, 2), np.int32, 8, 10, None, ValueError, "shape"),
+    ((2, 2, 5, 2), np.float32, 8, 10, None, TypeError, "integer"),
+    ((2, 2, 5, 2), np.int32, 8, 10, 5, ValueError, r"\[0, 5\) \(Lk = 50, block_k = 10\)"),
+    ((2, 2, 5, 2), np.int32, 8, 10, -2, ValueError, r"-1 \(unused\)"),
+    ((2, 2, 5, 2), np.int32, 0, 10, None, ValueError, "block_q must be >= 1"),
+    ((2, 2, 5, 2), np.int32, 8, -1, None, ValueError, "block_k must be >= 1"),
+    ((2, 2, 5, 2), np.int32, 8.0, 10, None, TypeError, "block_q must be a Python int"),
+    ((2, 2, 5, 2), np.int32, 8, True, None, TypeError, "block_k must be a Python int"),
+])
+def test_bad_block_indices(shape, dtype, block_q, block_k, value, error, match):
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 2, 40, 50, 4, 2, 16)
+    indices = np.zeros(shape, dtype)
+    if value is not None:
+        indices.flat[3] = value
+    with pytest.raises(error, match=match):
+        flash_dmattn(q, k, v, masks.BlockIndices(indices, block_q, block_k), implementation="cpu")
+
+
+def test_traced_out_of_range_entries_are_ignored():
+    """Traced indices are not value-checked: entries outside [0, ceil(Lk / block_k)) name no key
+    block, as -1 does; int64 entries that an int32 cast would wrap onto a real block (2**32 + 1)
+    included. The xla implementation agrees."""
+    rng = np.random.default_rng(1)
+    lq, lk, bq, bk = 30, 40, 8, 10
+    q, k, v = qkv(rng, 1, lq, lk, 2, 2, 16)
+    indices = random_indices(rng, (1, 1), lq, lk, bq, bk, 4).astype(np.int64)
+    wild = indices.copy()
+    unused = wild == -1
+    assert unused.sum() >= 4
+    values = np.resize(np.array([-7, 4, 2**31 - 1, 2**32 + 1, -(2**32) + 2], np.int64),
+                       unused.sum())
+    wild[unused] = values
+    for impl in ("cpu", "xla"):
+        fn = jax.jit(lambda x, impl=impl: flash_dmattn(
+            q, k, v, masks.BlockIndices(x, bq, bk), implementation=impl))
+        np.testing.assert_allclose(fn(wild), fn(indices), atol=0, err_msg=impl)
+
+
+# ---- the GPU: the reference, with a warning ---------------------------------------------------
+
+
+def test_cuda_refuses_block_indices(monkeypatch):
+    """On a GPU with kernels for the call, block indices still go to the reference: None warns
+    once naming the reason, implementation="cuda" raises."""
+    from jax_dmattn import ops
+    from jax_dmattn.params import AttentionParams
+
+    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
+             "cuda_archs": "90a"}
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    params = AttentionParams(scale=0.1, block_q=16, block_k=16)
+    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
+    with pytest.warns(RuntimeWarning, match="do not read block indices"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_block_indices=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_block_indices=True)
+    with pytest.raises(ValueError, match="do not read block indices"):
+        ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
+                        128, has_block_indices=True)
+    assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, has_block_indices=True)
+
+
+def test_cuda_lowering_runs_the_reference(monkeypatch):
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a call with
+    block indices makes no FFI call: None warns and lowers the reference, "cuda" raises."""
+    from jax_dmattn import ops
+
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append(target)
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    build = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
+             "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
+    blocks = masks.BlockIndices(random_indices(rng, (2, 2), 24, 32, 8, 8, 2), 8, 8)
+
+    def lower(implementation):
+        def loss(q, k, v):
+            out = flash_dmattn(q, k, v, blocks, implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32))
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",))
+
+    with pytest.warns(RuntimeWarning, match="do not read block indices"):
+        lower(None)
+    assert calls == []
+    with pytest.raises(ValueError, match="do not read block indices"):
+        lower("cuda")
