@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
       st.reset();
     }
-    store_tile<Tr, T>(P, w, busy, smem, bar, th, o, st);
+    // a warpgroup without rows (pass_through_tile) stores through no shared memory
+    store_tile<Tr, T>(P, w, busy && !has_no_rows<Tr>(w, th), smem, bar, th, o, st);
   }
   // The last turn handed to the first consumer is taken, so no barrier is left half-arrived.
   if (th.wg == 0) take_turn<Tr::kConsumers>(th.wg);
