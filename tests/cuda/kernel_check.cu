@@ -1040,6 +1040,15 @@ std::vector<Case> QuickCases() {
     c.bias = Op({1}, 2, true, true); v.push_back(c);
   }
   {
+    // the Hopper forward at D = 64 (192-row tiles): warpgroups that see none of the diagonal's
+    // last key blocks, or none of a narrow window's first ones, pass them with the rings
+    Case c; c.name = "quick_q400_d64_causal"; c.H = 2; c.Hk = 1; c.Lq = 400; c.Lk = 400;
+    c.D = 64; c.causal = true; v.push_back(c);
+    c.name = "quick_q700_d64_window_mask_bias"; c.Lq = 700; c.Lk = 700; c.causal = false;
+    c.window_left = 90; c.window_right = 10; c.mask = Op({1}, 2, true, true);
+    c.bias = Op({1}, 2, true, true); v.push_back(c);
+  }
+  {
     // ... and without a mask (next block's tiles requested at the top of the iteration)
     Case c; c.name = "quick_q260_k130_d64_dense"; c.H = 2; c.Hk = 2; c.Lq = 260; c.Lk = 130;
     c.D = 64; v.push_back(c);

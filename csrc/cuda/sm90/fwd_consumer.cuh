@@ -88,45 +88,37 @@ __device__ __forceinline__ void skip_operands(const FwdParamsSm90& P, const FwdB
   }
 }
 
-// True for a warpgroup none of whose rows exists (the last tile of a query length that BM does
-// not divide). Only with three consumers: there such tiles cost 3-7 % of D = 64 forwards (H200:
-// causal L4k 0.713 -> 0.660 ms without their GEMMs); with two, a warpgroup has no rows only
-// where Lq % 128 is at most 64, and the test cost the bias + mask forward 0.8 %.
+// Whether each warpgroup walks only the key blocks its own 64 rows may see (the lengths,
+// causality and the window; none for rows past Lq), passing the tile's others: with three
+// consumers, whose 192-row tile's last blocks on the diagonal hide every key from its first
+// warpgroup, and whose last tile has warpgroups without rows where 192 does not divide Lq.
+// Without those GEMMs D = 64 forwards ran 3-7 % faster (H200: causal L4k 0.713 -> 0.660 ms);
+// with two consumers the code alone cost the D = 128 bias + mask forward 0.8 %.
 template <typename Tr>
-__device__ __forceinline__ bool has_no_rows(const TileWork& w, const ConsumerThread& th) {
-  return Tr::kConsumers == 3 && th.wg_row0(w.m0) >= w.lens.q_len;
-}
+inline constexpr bool kWarpgroupKeys = Tr::kConsumers == 3;
 
-// A warpgroup without rows (has_no_rows) takes its turns and releases every slot of the tile as
-// consume_tile does, with no GEMM: the tensor cores are left to the warpgroups with rows.
-template <typename Tr, typename Walk>
-__device__ __forceinline__ void pass_through_tile(const FwdParamsSm90& P, const TileWork& w,
-                                                  Walk& walk, int n, int flags,
-                                                  const FwdBarriers<Tr>& bar,
-                                                  RingPos<Tr::kStages>& ring,
-                                                  OperandRings<Tr>& operands,
-                                                  const ConsumerThread& th) {
-  constexpr int kC = Tr::kConsumers;
-  for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
-    mbar_wait(bar.k_full(ring.slot), ring.parity);
-    take_turn<kC>(th.wg);
-    pass_turn<kC>(th.wg);
-    th.release(bar.k_empty(ring.slot));
-    skip_operands<Tr>(P, bar, operands, th, flags);
-    mbar_wait(bar.v_full(ring.slot), ring.parity);
-    th.release(bar.v_empty(ring.slot));
-    ring.advance();
-  }
-  take_turn<kC>(th.wg);  // the turn of the last P V
-  pass_turn<kC>(th.wg);
-  th.release(bar.q_empty());  // its rows of O are not stored through shared memory
+// A key block this warpgroup's rows cannot see: its turn taken and its ring slots released as
+// consume_tile's would be, with no GEMM (the tensor cores are left to the other warpgroups).
+template <typename Tr>
+__device__ __forceinline__ void pass_block(const FwdParamsSm90& P, int flags,
+                                           const FwdBarriers<Tr>& bar, RingPos<Tr::kStages>& ring,
+                                           OperandRings<Tr>& operands, const ConsumerThread& th) {
+  mbar_wait(bar.k_full(ring.slot), ring.parity);
+  take_turn<Tr::kConsumers>(th.wg);
+  pass_turn<Tr::kConsumers>(th.wg);
+  th.release(bar.k_empty(ring.slot));
+  skip_operands<Tr>(P, bar, operands, th, flags);
+  mbar_wait(bar.v_full(ring.slot), ring.parity);
+  th.release(bar.v_empty(ring.slot));
+  ring.advance();
 }
 
 // One tile's main loop over the key blocks `walk` yields, from n (flags: its mask flags) on; Q
 // is loaded into sQ under bar.q_full with parity q_parity. Leaves the unnormalised O and the
-// row state.
+// row state; false where none of the blocks was this warpgroup's (zeros: stored from registers,
+// Q released here).
 template <typename Tr, typename T, typename Walk>
-__device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileWork& w,
+__device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileWork& w,
                                              Walk& walk, int n, int flags, uint8_t* smem,
                                              const FwdBarriers<Tr>& bar,
                                              RingPos<Tr::kStages>& ring,
@@ -148,8 +140,23 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   float corr[2];
 
   mbar_wait(bar.q_full(), q_parity);
-  if (has_no_rows<Tr>(w, th)) {
-    return pass_through_tile<Tr>(P, w, walk, n, flags, bar, ring, operands, th);
+  int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
+  if constexpr (kWarpgroupKeys<Tr>) {
+    const detail::BlockRange mine =
+        detail::visible_key_blocks<64, Tr::BN>(w.lens, detail::make_band(p.s), th.wg_row0(w.m0));
+    first = max(first, mine.lo);
+    for (; n >= first && n >= mine.hi; n = walk.next(n - 1, &flags)) {
+      pass_block<Tr>(P, flags, bar, ring, operands, th);
+    }
+    if (n < first) {  // none of the tile's blocks is this warpgroup's
+      for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+        pass_block<Tr>(P, flags, bar, ring, operands, th);
+      }
+      take_turn<kC>(th.wg);  // the turn of the last P V
+      pass_turn<kC>(th.wg);
+      th.release(bar.q_empty());
+      return false;
+    }
   }
   mbar_wait(bar.k_full(ring.slot), ring.parity);
   take_turn<kC>(th.wg);
@@ -164,7 +171,7 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
 
-  for (n = walk.next(n - 1, &flags); n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+  for (n = walk.next(n - 1, &flags); n >= first; n = walk.next(n - 1, &flags)) {
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
@@ -197,7 +204,13 @@ __device__ __forceinline__ void consume_tile(const FwdParamsSm90& P, const TileW
   detail::wgmma_wait<0>();
   detail::fence_operands(o);
   th.release(bar.v_empty(pv.slot));
+  if constexpr (kWarpgroupKeys<Tr>) {
+    for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+      pass_block<Tr>(P, flags, bar, ring, operands, th);
+    }
+  }
   if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
+  return true;
 }
 
 }  // namespace dmattn::cuda::sm90

@@ -73,18 +73,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
-    const bool busy = first >= w.keys.lo;  // else no key is visible: zeros and lse -inf
+    bool busy = first >= w.keys.lo;  // else no key is visible: zeros and lse -inf
     if (busy) {
-      consume_tile<Tr, T>(P, w, walk, first, flags, smem, bar, ring, operands, q_parity, th, o,
-                          st);
+      busy = consume_tile<Tr, T>(P, w, walk, first, flags, smem, bar, ring, operands, q_parity,
+                                 th, o, st);
       q_parity ^= 1;
     } else {
 #pragma unroll
       for (int i = 0; i < Tr::D / 2; ++i) o[i] = 0.f;
       st.reset();
     }
-    // a warpgroup without rows (pass_through_tile) stores through no shared memory
-    store_tile<Tr, T>(P, w, busy && !has_no_rows<Tr>(w, th), smem, bar, th, o, st);
+    store_tile<Tr, T>(P, w, busy, smem, bar, th, o, st);
   }
   // The last turn handed to the first consumer is taken, so no barrier is left half-arrived.
   if (th.wg == 0) take_turn<Tr::kConsumers>(th.wg);
