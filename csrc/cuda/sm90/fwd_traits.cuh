@@ -71,7 +71,9 @@ struct FwdTraits {
   static constexpr uint32_t kOffMask = kOffBias + kBiasStages * kBiasBytes;
   static constexpr uint32_t kEndOperands = kOffMask + kMaskStages * kMaskBytes;
   // O is staged in a tile of its own where it fits (the next tile's Q then loads during the
-  // epilogue), else in Q's tile, which is released only once the store has read it.
+  // epilogue), else in Q's tile, which is released only once the store has read it. (Storing
+  // that O from the registers instead, Q released at once, was slower: H200, D = 256 L4k 0.402
+  // -> 0.417 ms, bias + 50 % mask 0.859 -> 0.883.)
   static constexpr bool kOutputInQ = kEndOperands + kQBytes + 1024 > 227 * 1024;
   static constexpr uint32_t kOffO = kOutputInQ ? kOffQ : kEndOperands;
   static constexpr uint32_t kOffBarriers = kOutputInQ ? kEndOperands : kOffO + kQBytes;
