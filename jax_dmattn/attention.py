@@ -3,15 +3,16 @@
 Both validate their arguments at trace time, normalise them to the one operation of ``core`` and
 differ only in conventions (causal alignment, windows, lengths, layouts of optional outputs). Both
 take sequence-packing segment ids: query ``i`` of batch entry ``b`` sees key ``j`` only where
-``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of every other rule. Both take a mask in
-O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, in O(Lq) form,
+``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of every other rule. Both take, beside the
+bool mask, a mask in O(Lk) form, :class:`jax_dmattn.masks.KeyRanges`, in O(Lq) form,
 :class:`jax_dmattn.masks.RowRanges`, or in block-sparse form,
-:class:`jax_dmattn.masks.BlockIndices`, in place of the bool mask (one of the four per call).
+:class:`jax_dmattn.masks.BlockIndices`, or a tuple of them meaning their and (at most one bool
+mask and one of each form): each form has its own operand, so the kernels read them side by side.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +21,20 @@ from jax_dmattn import masks, validation
 from jax_dmattn._primitives import core
 from jax_dmattn.params import AttentionParams
 
+# One mask: a bool array or one of the O(L) forms.
+OneMask: TypeAlias = jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices
+# The ``mask`` argument: one mask, a tuple of them (their and) or None.
+Mask: TypeAlias = OneMask | tuple[OneMask, ...] | None
+
+# The O(L) forms. They are NamedTuples, so they are told apart from a tuple of masks by type.
+_FORMS = (masks.KeyRanges, masks.RowRanges, masks.BlockIndices)
+
 
 def flash_dmattn(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    mask: jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices | None = None,
+    mask: Mask = None,
     bias: jax.Array | None = None,
     *,
     q_segment_ids: jax.Array | None = None,
@@ -52,8 +61,11 @@ def flash_dmattn(
         sees keys ``start[..., i] <= j < end[..., i]``, likewise. Or a
         :class:`~jax_dmattn.masks.BlockIndices` (indices int ``[B|1, H|Hk|1, ceil(Lq / block_q),
         K]``, static block sizes): rows of query block ``i // block_q`` see the keys of the key
-        blocks it lists (``-1``: an unused slot), likewise. One of the four: these forms cannot
-        be given together (pass the dense and of their ``to_mask`` forms).
+        blocks it lists (``-1``: an unused slot), likewise. Or a tuple of these, meaning all of
+        them (their and): at most one bool mask and at most one of each form, e.g.
+        ``(mask, KeyRanges(...))`` or ``(KeyRanges(...), RowRanges(...), BlockIndices(...))``;
+        ``(m,)`` is ``m``, and an empty tuple or two of one kind raise at trace time. On a GPU a
+        tuple with any O(L) form runs the reference, like that form alone.
       bias: optional floating array of the mask's shape rule, added to the logits; differentiable
         (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
       q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to
@@ -78,7 +90,7 @@ def flash_dmattn(
     q, k, v = validation.check_qkv(query, key, value, implementation)
     dims = validation.dims_of(q, k)
     q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
-    m = _mask_operands(mask, dims)
+    m = _mask_operands(_members(mask), dims)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
@@ -96,8 +108,8 @@ def flash_dmattn(
 
 
 class _MaskOperands(NamedTuple):
-    """The ``mask`` argument as the operation's operands: at most one form is not None; the block
-    sizes are those of the block indices (0 without them)."""
+    """The ``mask`` argument as the operation's operands: each form in its own slot (None where
+    the call has none of it); the block sizes are those of the block indices (0 without them)."""
 
     mask: jax.Array | None = None
     key_start: jax.Array | None = None
@@ -109,18 +121,66 @@ class _MaskOperands(NamedTuple):
     block_k: int = 0
 
 
-def _mask_operands(mask, dims: validation.Dims) -> _MaskOperands:
-    """A bool mask checked, or key or row ranges or block indices checked and normalised
-    (``validation.check_key_ranges`` / ``check_row_ranges`` / ``check_block_indices``)."""
-    if isinstance(mask, masks.KeyRanges):
-        return _MaskOperands(None, *validation.check_key_ranges(mask.start, mask.end, dims))
-    if isinstance(mask, masks.RowRanges):
-        start, end = validation.check_row_ranges(mask.start, mask.end, dims)
-        return _MaskOperands(row_start=start, row_end=end)
-    if isinstance(mask, masks.BlockIndices):
-        indices, block_q, block_k = validation.check_block_indices(*mask, dims)
-        return _MaskOperands(block_indices=indices, block_q=block_q, block_k=block_k)
-    return _MaskOperands(validation.check_mask(mask, dims))
+def _kind(mask: OneMask) -> str:
+    return next((form.__name__ for form in _FORMS if isinstance(mask, form)), "bool mask")
+
+
+# What an and of two masks of one kind is, for the error that refuses them.
+_COMBINE_HINT = {
+    "bool mask": "pass their and (m0 & m1) as one bool mask",
+    "KeyRanges": "two key ranges intersect to one: KeyRanges(maximum(start0, start1), "
+                 "minimum(end0, end1))",
+    "RowRanges": "two row ranges intersect to one: RowRanges(maximum(start0, start1), "
+                 "minimum(end0, end1))",
+    "BlockIndices": "pass the and of their to_mask forms as a bool mask",
+}
+
+
+def _members(mask: Mask) -> tuple[OneMask, ...]:
+    """The masks a ``mask`` argument ands: none for None, a tuple's elements, or the one mask.
+
+    A tuple takes at most one bool mask and at most one of each O(L) form (each has one operand
+    slot); an empty tuple, a None or nested tuple in it, or two of one kind raise here."""
+    if mask is None:
+        return ()
+    if not isinstance(mask, tuple) or isinstance(mask, _FORMS):
+        return (mask,)
+    accepted = ("a tuple of masks takes at most one bool mask and at most one each of "
+                "masks.KeyRanges, masks.RowRanges and masks.BlockIndices")
+    if not mask:
+        raise ValueError(f"mask=() holds no mask; pass None for no mask ({accepted})")
+    seen: dict[str, int] = {}
+    for i, m in enumerate(mask):
+        if m is None or (isinstance(m, tuple) and not isinstance(m, _FORMS)):
+            raise TypeError(f"mask tuple element {i} is {type(m).__name__}, not a mask "
+                            f"({accepted})")
+        kind = _kind(m)
+        if kind in seen:
+            raise ValueError(f"mask tuple holds more than one {kind} (elements {seen[kind]} and "
+                             f"{i}); {accepted}: {_COMBINE_HINT[kind]}")
+        seen[kind] = i
+    return mask
+
+
+def _mask_operands(members: tuple[OneMask, ...], dims: validation.Dims) -> _MaskOperands:
+    """`members` (from :func:`_members`) checked and normalised, each into its own slots: a bool
+    mask by ``validation.check_mask``, key or row ranges or block indices by
+    ``validation.check_key_ranges`` / ``check_row_ranges`` / ``check_block_indices``."""
+    operands = _MaskOperands()
+    for m in members:
+        if isinstance(m, masks.KeyRanges):
+            start, end = validation.check_key_ranges(m.start, m.end, dims)
+            operands = operands._replace(key_start=start, key_end=end)
+        elif isinstance(m, masks.RowRanges):
+            start, end = validation.check_row_ranges(m.start, m.end, dims)
+            operands = operands._replace(row_start=start, row_end=end)
+        elif isinstance(m, masks.BlockIndices):
+            indices, block_q, block_k = validation.check_block_indices(*m, dims)
+            operands = operands._replace(block_indices=indices, block_q=block_q,
+                                         block_k=block_k)
+        else:
+            operands = operands._replace(mask=validation.check_mask(m, dims))
+    return operands
 
 
 def dot_product_attention(
@@ -128,7 +188,7 @@ def dot_product_attention(
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None = None,
-    mask: jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices | None = None,
+    mask: Mask = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -155,7 +215,8 @@ def dot_product_attention(
     ``start[..., i] <= j < end[..., i]``) or a :class:`jax_dmattn.masks.BlockIndices` (indices
     ``[B|1, N|K|1, ceil(T / block_q), K]``, ``[N|K|1, ceil(T / block_q), K]`` for 3-D inputs;
     query ``i`` sees keys ``j`` whose block ``j // block_k`` its block ``i // block_q`` lists),
-    one of the four. ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
+    or a tuple of these meaning their and (at most one bool mask and one of each form; ``(m,)``
+    is ``m``). ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
     ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
@@ -175,15 +236,17 @@ def dot_product_attention(
     def as_4d(x):
         return None if x is None else jnp.reshape(x, (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
 
-    if isinstance(mask, (masks.KeyRanges, masks.RowRanges)):
-        if unbatched:  # [N|K|1, S|T] -> [1, N|K|1, S|T]
-            mask = type(mask)(*(jnp.expand_dims(jnp.asarray(x), 0) for x in mask))
-    elif isinstance(mask, masks.BlockIndices):
-        if unbatched:  # [N|K|1, nQB, K] -> [1, N|K|1, nQB, K]
-            mask = mask._replace(indices=jnp.expand_dims(jnp.asarray(mask.indices), 0))
-    else:
-        mask = as_4d(mask)
-    m = _mask_operands(mask, dims)
+    def mask_as_4d(m: OneMask) -> OneMask:
+        if isinstance(m, (masks.KeyRanges, masks.RowRanges)):
+            # [N|K|1, S|T] -> [1, N|K|1, S|T]
+            return type(m)(*(jnp.expand_dims(jnp.asarray(x), 0) for x in m)) if unbatched else m
+        if isinstance(m, masks.BlockIndices):
+            # [N|K|1, nQB, K] -> [1, N|K|1, nQB, K]
+            return (m._replace(indices=jnp.expand_dims(jnp.asarray(m.indices), 0)) if unbatched
+                    else m)
+        return as_4d(m)
+
+    m = _mask_operands(tuple(map(mask_as_4d, _members(mask))), dims)
     bias = validation.check_bias(as_4d(bias), dims, q.dtype)
     q_lens = validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", dims.batch)
     kv_lens = validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths",

@@ -64,9 +64,10 @@ class KeyRanges(NamedTuple):
     ``start`` and ``end``: integer arrays ``[B|1, H|Hk|1, Lk]`` (``[B|1, H|Hk|1, 1, Lk]`` too, as
     :func:`topk_key_ranges` returns them for a bias ``[B, Hk, 1, Lk]``), values in ``[0, Lq]``;
     size-1 dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``.
-    It takes the place of the bool mask, so it cannot be given together with a bool mask or
-    :class:`RowRanges` (one ``mask`` argument). The CPU kernels skip a tile when no key of it
-    has a range meeting the tile's rows; it is equivalent to the bool mask
+    It is given as ``mask`` alone or in a tuple of masks meaning their and, with at most one bool
+    mask, one :class:`RowRanges` and one :class:`BlockIndices` (e.g. ``mask=(bool_mask,
+    key_ranges)``). The CPU kernels skip a tile when no key of it has a range meeting the tile's
+    rows; it is equivalent to the bool mask
     ``(start[..., None, :] <= i) & (i < end[..., None, :])`` for ``i = arange(Lq)[:, None]``
     (:meth:`to_mask`).
     """
@@ -91,11 +92,11 @@ class RowRanges(NamedTuple):
     leaves the row no key (its output is 0 and its lse -inf, as for any row with no visible key).
 
     ``start`` and ``end``: integer arrays ``[B|1, H|Hk|1, Lq]``, values in ``[0, Lk]``; size-1
-    dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``. It takes
-    the place of the bool mask, so a call takes a bool mask, key ranges or row ranges, never two
-    of them (the one ``mask`` argument holds one; where two are needed, pass the dense and of
-    their :meth:`to_mask` forms). The CPU kernels skip a tile when no row of it has a range
-    meeting the tile's key columns; it is equivalent to the bool mask
+    dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``. It is
+    given as ``mask`` alone or in a tuple of masks meaning their and, with at most one bool mask,
+    one :class:`KeyRanges` and one :class:`BlockIndices` (e.g. ``mask=(key_ranges,
+    row_ranges)``). The CPU kernels skip a tile when no row of it has a range meeting the tile's
+    key columns; it is equivalent to the bool mask
     ``(start[..., :, None] <= j) & (j < end[..., :, None])`` for ``j = arange(Lk)``
     (:meth:`to_mask`).
     """
@@ -124,8 +125,9 @@ class BlockIndices(NamedTuple):
     trace time; traced values outside that range are ignored like ``-1`` (they name no key
     block). ``block_q`` and ``block_k``: static Python ints ``>= 1`` (the last blocks may be
     partial); they are pytree metadata, so a BlockIndices passes through ``jit`` and ``vmap``
-    with only ``indices`` as a leaf. It takes the place of the bool mask, so a call takes one of
-    a bool mask, :class:`KeyRanges`, :class:`RowRanges` or block indices. The CPU kernels skip a
+    with only ``indices`` as a leaf. It is given as ``mask`` alone or in a tuple of masks meaning
+    their and, with at most one bool mask, one :class:`KeyRanges` and one :class:`RowRanges`
+    (e.g. ``mask=(bool_mask, key_ranges, row_ranges, block_indices)``). The CPU kernels skip a
     tile when none of its query blocks lists a key block meeting its keys (O(K) per query
     block); it is equivalent to the bool mask :meth:`to_mask`.
     """

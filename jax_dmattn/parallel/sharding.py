@@ -12,7 +12,10 @@ A sharded query sequence keeps its sharding when the call can run as a ring
 only with ``Lq == Lk``, both lengths divisible by the shard count): k/v get the same sequence
 sharding, a mask or bias keeps its query rows sharded and its key columns replicated, and the
 lowering runs ``context_parallel.ring_forward`` / ``ring_backward`` over those mesh axes with
-the kernels as steps. Any other sequence sharding is replicated (gathered) as before.
+the kernels as steps. Any other sequence sharding is replicated (gathered) as before. A call
+whose mask is a tuple gives each member its own operand and rule, and the strictest holds for the
+call: one member whose rule names absolute positions (key or row ranges, block indices) keeps the
+sequence replicated, never a ring, whatever the others allow.
 Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
 
 Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
