@@ -1,0 +1,539 @@
+"""A tuple of masks (issue 24, item 1): ``mask=(m0, m1, ...)`` means all of them (their and), with
+at most one dense bool mask and at most one each of ``masks.KeyRanges``, ``masks.RowRanges`` and
+``masks.BlockIndices``.
+
+The oracle is the float64 ``xla`` implementation run on one dense bool mask, the and of every
+member's dense form built here with numpy (independently of the library's range and block code).
+The CPU kernels read every member side by side; on a GPU a tuple holding an O(L) form runs the
+reference, and a dense mask alone keeps the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_block_indices as blocks
+import test_key_ranges as key_ranges
+import test_row_ranges as row_ranges
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_row_ranges import assert_close, outputs_and_grads, qkv, to64
+from test_segments import array_sizes
+
+from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
+
+KINDS = ("dense", "keys", "rows", "blocks")
+
+# ---- inputs and the oracle --------------------------------------------------------------------
+
+
+def wide_ranges(rng: np.random.Generator, shape: tuple[int, ...],
+                bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 ``(start, end)`` of `shape`, values in ``[0, bound]``: runs over half of the bound
+    or more (the and of several members keeps enough visible), a sixth of them empty
+    (``start >= end``)."""
+    start = rng.integers(0, bound // 2 + 1, shape)
+    end = rng.integers(bound // 2, bound + 1, shape)
+    empty = rng.random(shape) < 1 / 6
+    return (np.where(empty, end, start).astype(np.int32),
+            np.where(empty, start, end).astype(np.int32))
+
+
+def random_members(rng: np.random.Generator, kinds: tuple[str, ...], batch: int, lq: int,
+                   lk: int, heads: int, kv_heads: int, block: tuple[int, int, int] = (16, 48, 4)
+                   ) -> tuple[tuple, np.ndarray]:
+    """``(members, dense)``: one random mask of each of `kinds`, each with a batch of 1 or B and
+    heads of 1, Hk or H drawn at random, and the and of their dense forms, bool
+    ``[B|1, H|1, Lq, Lk]``. Ranges have empty ones (:func:`wide_ranges`); the block indices
+    have unused slots, duplicates and a query block listing nothing."""
+    members, dense = [], []
+    for kind in kinds:
+        b = int(rng.choice([1, batch]))
+        h = int(rng.choice(sorted({1, kv_heads, heads})))
+        if kind == "dense":
+            m = rng.random((b, h, lq, lk)) < 0.75
+            members.append(m)
+            dense.append(m)
+        elif kind == "keys":
+            start, end = wide_ranges(rng, (b, h, lk), lq)
+            members.append(masks.KeyRanges(start, end))
+            dense.append(key_ranges.dense_mask(start, end, lq))
+        elif kind == "rows":
+            start, end = wide_ranges(rng, (b, h, lq), lk)
+            members.append(masks.RowRanges(start, end))
+            dense.append(row_ranges.dense_mask(start, end, lk))
+        else:
+            bq, bk, slots = block
+            indices = blocks.random_indices(rng, (b, h), lq, lk, bq, bk, slots)
+            members.append(masks.BlockIndices(indices, bq, bk))
+            dense.append(blocks.dense_mask(indices, lq, lk, bq, bk))
+    # A head dim of Hk maps like K/V: kv head g serves query heads g * (H / Hk) ...
+    dense = [np.repeat(m, heads // m.shape[1], axis=1) if m.shape[1] not in (1, heads) else m
+             for m in dense]
+    return tuple(members), np.logical_and.reduce(np.broadcast_arrays(*dense))
+
+
+def front(kind: str, implementation: str):
+    """``fn(q, k, v, mask, bias) -> (out, lse-like)``: flash_dmattn (``"causal"``, ``"full"``) or
+    dot_product_attention with a window (``"window"``)."""
+    def fn(q, k, v, mask, bias):
+        if kind == "window":
+            return dot_product_attention(q, k, v, bias, mask, local_window_size=(60, 20),
+                                         implementation=implementation, return_residual=True)
+        return flash_dmattn(q, k, v, mask, bias, is_causal=kind == "causal", return_lse=True,
+                            implementation=implementation)
+    return fn
+
+
+# ---- conformance against the float64 reference ------------------------------------------------
+
+CASES = [
+    # members, batch, Lq, Lk, H, Hk, D, front, bias, dtype
+    (("dense", "keys"), 2, 130, 200, 4, 4, 32, "causal", None, jnp.float32),
+    (("dense", "rows"), 2, 200, 130, 4, 2, 64, "full", "full", jnp.float32),
+    (("dense", "blocks"), 1, 130, 200, 4, 1, 64, "causal", "keys", jnp.float32),
+    (("keys", "rows"), 2, 96, 257, 6, 2, 64, "window", "full", jnp.float32),
+    (("rows", "blocks"), 2, 129, 129, 4, 2, 128, "causal", "keys", jnp.float32),
+    (("keys", "blocks"), 2, 150, 190, 4, 2, 64, "full", "full", jnp.bfloat16),
+    (("keys", "rows", "blocks"), 2, 150, 190, 4, 2, 64, "causal", "full", jnp.float32),
+    (("dense", "keys", "rows", "blocks"), 2, 190, 150, 4, 2, 32, "window", "full", jnp.float32),
+    (("dense", "keys", "rows", "blocks"), 1, 150, 190, 2, 2, 64, "causal", "full", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, (*c[0], *c[1:9]))))
+def test_matches_float64_reference(case):
+    """Outputs, lse and gradients (dbias included) of the CPU kernels on a tuple of masks against
+    the float64 reference on the and of their dense forms: pairs and the triple, with and
+    without a dense mask, causal or windowed, full and per-key biases, GQA, Lq != Lk, bf16."""
+    kinds, batch, lq, lk, heads, kv_heads, d, kind, bias_kind, dtype = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
+    members, mask = random_members(rng, kinds, batch, lq, lk, heads, kv_heads)
+    assert mask.mean() > 0.02 and not mask.all()
+    bias = None
+    if bias_kind == "full":
+        bias = jnp.asarray(rng.standard_normal((batch, kv_heads, lq, lk)), dtype)
+    elif bias_kind == "keys":
+        bias = jnp.asarray(rng.standard_normal((1, heads, 1, lk)), dtype)
+    out, lse, grads = outputs_and_grads(front(kind, "cpu"), q, k, v, bias, members)
+    ref_out, ref_lse, ref_grads = outputs_and_grads(
+        front(kind, "xla"), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert finite.any() and not finite.all(), "the case should have rows with and without keys"
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, jnp.float32, "lse")
+    names = "q k v bias".split()[:len(grads)]
+    for name, g, ref in zip(names, grads, ref_grads, strict=True):
+        assert g.dtype == dtype, name
+        assert_close(g, ref, dtype, f"d{name}")
+
+
+def test_reference_ands_every_member():
+    """The xla implementation given the tuple equals it given the dense and (float64, with a
+    bias and causality, gradients included)."""
+    rng = np.random.default_rng(21)
+    batch, lq, lk, heads, kv_heads = 2, 70, 90, 4, 2
+    q, k, v = (to64(x) for x in qkv(rng, batch, lq, lk, heads, kv_heads, 16))
+    members, mask = random_members(rng, KINDS, batch, lq, lk, heads, kv_heads, (8, 16, 3))
+    bias = to64(rng.standard_normal((batch, heads, lq, lk)))
+    got = outputs_and_grads(front("causal", "xla"), q, k, v, bias, members)
+    want = outputs_and_grads(front("causal", "xla"), q, k, v, bias, jnp.asarray(mask))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_member_tuple_is_that_member(kind):
+    """``mask=(m,)`` gives exactly what ``mask=m`` gives (outputs, lse, gradients), for both
+    front ends."""
+    rng = np.random.default_rng(KINDS.index(kind))
+    q, k, v = qkv(rng, 2, 100, 120, 4, 2, 32)
+    (member,), _ = random_members(rng, (kind,), 2, 100, 120, 4, 2)
+    bias = jnp.asarray(rng.standard_normal((2, 4, 1, 120)), jnp.float32)
+    for kind_of_front in ("causal", "window"):
+        got = outputs_and_grads(front(kind_of_front, "cpu"), q, k, v, bias, (member,))
+        want = outputs_and_grads(front(kind_of_front, "cpu"), q, k, v, bias, member)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_equals_dense_and_with_every_rule():
+    """A tuple of all four kinds gives what the dense and of its members gives through the same
+    CPU kernels, with a window, sequence lengths and segment ids (dot_product_attention) and a
+    bias."""
+    rng = np.random.default_rng(7)
+    batch, lq, lk, heads, kv_heads = 2, 140, 170, 4, 2
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, 64)
+    members, dense = random_members(rng, KINDS, batch, lq, lk, heads, kv_heads)
+    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
+    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
+    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
+    kw = dict(local_window_size=(50, 10), query_seq_lengths=jnp.array([140, 90], jnp.int32),
+              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
+              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
+
+    def fn(q, k, v, mask, bias):
+        return dot_product_attention(q, k, v, bias, mask, **kw)
+
+    got = outputs_and_grads(fn, q, k, v, bias, members)
+    want = outputs_and_grads(fn, q, k, v, bias, jnp.asarray(dense))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6)
+
+
+def test_dot_product_attention_3d():
+    """3-D (unbatched) inputs take a tuple of 3-D members: the same as the batched call."""
+    rng = np.random.default_rng(22)
+    lq, lk, heads, kv_heads = 90, 110, 4, 2
+    q, k, v = qkv(rng, 1, lq, lk, heads, kv_heads, 32)
+    members, _ = random_members(rng, KINDS, 1, lq, lk, heads, kv_heads)
+    dense, keys, rows, block = members
+    unbatched = (dense[0], masks.KeyRanges(keys.start[0], keys.end[0]),
+                 masks.RowRanges(rows.start[0], rows.end[0]),
+                 block._replace(indices=block.indices[0]))
+    got = dot_product_attention(q[0], k[0], v[0], mask=unbatched, is_causal=True,
+                                implementation="cpu")
+    want = dot_product_attention(q, k, v, mask=members, is_causal=True, implementation="cpu")
+    np.testing.assert_array_equal(got, want[0])
+
+
+# ---- tile skipping ------------------------------------------------------------------------------
+
+
+def _members_hiding(hider: str | None, lq: int, lk: int) -> tuple:
+    """All four kinds of mask over ``[1, 1, Lq, Lk]``: every one lets every key through except
+    `hider`, which hides keys 64..127 from every row (None: none hides them)."""
+    hidden = (np.arange(lk) >= 64) & (np.arange(lk) < 128)
+    rows_low = np.arange(lq) % 2 == 0  # a row's range is one run: [0, 64) or [128, Lk)
+    hiding = {
+        "dense": np.broadcast_to(~hidden, (1, 1, lq, lk)),
+        "keys": masks.KeyRanges(np.zeros((1, 1, lk), np.int32),
+                                np.where(hidden, 0, lq).astype(np.int32)[None, None]),
+        "rows": masks.RowRanges(np.where(rows_low, 0, 128).astype(np.int32)[None, None],
+                                np.where(rows_low, 64, lk).astype(np.int32)[None, None]),
+        "blocks": masks.BlockIndices(
+            np.broadcast_to(np.array([0, 2], np.int32), (1, 1, -(-lq // 64), 2)), 64, 64),
+    }
+    return tuple(hiding[kind] if kind == hider else _permissive(hiding[kind], lq, lk)
+                 for kind in KINDS)
+
+
+def _permissive(member, lq: int, lk: int):
+    """A mask of `member`'s kind that hides nothing."""
+    if isinstance(member, masks.KeyRanges):
+        return masks.KeyRanges(np.zeros((1, 1, lk), np.int32), np.full((1, 1, lk), lq, np.int32))
+    if isinstance(member, masks.RowRanges):
+        return masks.RowRanges(np.zeros((1, 1, lq), np.int32), np.full((1, 1, lq), lk, np.int32))
+    if isinstance(member, masks.BlockIndices):
+        listed = np.arange(-(-lk // 64), dtype=np.int32)
+        return masks.BlockIndices(np.broadcast_to(listed, (1, 1, -(-lq // 64), listed.size)), 64,
+                                  64)
+    return np.ones((1, 1, lq, lk), bool)
+
+
+@pytest.mark.parametrize("hider", KINDS)
+def test_tile_hidden_by_one_member_is_skipped(hider):
+    """Keys 64..127 (one whole kernel tile) hidden by one member only, the others letting every
+    key through: NaN values there reach no output (a processed tile would give 0 · NaN); the
+    control, where no member hides them, does read them."""
+    rng = np.random.default_rng(13)
+    lq = lk = 192
+    q, k, v = qkv(rng, 1, lq, lk, 2, 2, 32)
+    v = v.at[:, 64:128].set(jnp.nan)
+    out = flash_dmattn(q, k, v, _members_hiding(hider, lq, lk), implementation="cpu")
+    assert np.isfinite(np.asarray(out)).all()
+    control = flash_dmattn(q, k, v, _members_hiding(None, lq, lk), implementation="cpu")
+    assert not np.isfinite(np.asarray(control)).any()
+
+
+# ---- transformations -----------------------------------------------------------------------------
+
+
+def test_jit_vmap_and_grad():
+    """Under jit and vmap, each member with its own batch pattern (mapped, unmapped, one of a
+    range pair mapped), the kernels agree with per-example calls, gradients included."""
+    rng = np.random.default_rng(5)
+    n, lq, lk, bq, bk = 3, 70, 90, 16, 32
+    q, k, v = qkv(rng, n, lq, lk, 2, 1, 32)
+    q, k, v = q[:, None], k[:, None], v[:, None]  # n examples of batch 1
+    dense = jnp.asarray(rng.random((n, 1, 1, lq, lk)) < 0.75)
+    ks, ke = key_ranges.random_ranges(rng, (n, 1, 1, lk), lq)
+    rs, re_ = row_ranges.random_ranges(rng, (n, 1, 1, lq), lk)
+    indices = blocks.random_indices(rng, (n, 1, 1), lq, lk, bq, bk, 3)
+
+    def one(q, k, v, dense, ks, ke, rs, re_, indices):
+        mask = (dense, masks.KeyRanges(ks, ke), masks.RowRanges(rs, re_),
+                masks.BlockIndices(indices, bq, bk))
+        return flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
+
+    def loss(*args):
+        return jnp.sum(jnp.sin(one(*args)))
+
+    operands = (q, k, v, dense, ks, ke, rs, re_, indices)
+    for axes in [(0,) * 9, (0, 0, 0, 0, None, None, 0, 0, 0), (0, 0, 0, None, 0, 0, 0, None, None),
+                 (0, None, None, 0, None, 0, None, None, 0)]:
+        args = [x if a is not None else x[0] for x, a in zip(operands, axes, strict=True)]
+        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
+        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
+        for e in range(n):
+            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
+            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
+            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
+                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+
+
+def test_tuple_pytree_through_jit_and_vmap():
+    """A tuple of masks is a pytree: jit takes it as an argument and vmap maps every member's
+    leaves (the block sizes stay static)."""
+    rng = np.random.default_rng(6)
+    lq, lk = 40, 50
+    q, k, v = qkv(rng, 2, lq, lk, 2, 2, 16)
+    members, _ = random_members(rng, KINDS, 2, lq, lk, 2, 2, (8, 16, 2))
+    batched = tuple(jax.tree_util.tree_map(
+        lambda x: np.broadcast_to(x, (2, *x.shape[1:]))[:, None], m) for m in members)
+    got = jax.vmap(lambda q, k, v, m: flash_dmattn(q[None], k[None], v[None], m,
+                                                   implementation="cpu")[0])(q, k, v, batched)
+    flat = tuple(jax.tree_util.tree_map(lambda x: x[:, 0], m) for m in batched)
+    want = flash_dmattn(q, k, v, flat, implementation="cpu")
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    fn = jax.jit(lambda q, k, v, m: flash_dmattn(q, k, v, m, implementation="cpu"))
+    np.testing.assert_allclose(fn(q, k, v, flat), want, atol=1e-6)
+
+
+def test_sharded_over_batch_and_heads():
+    """Sharded over batch and heads, a tuple of all four kinds (and a bias) gives the
+    single-device answer."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "h"))
+    rng = np.random.default_rng(8)
+    lq, lk, bq, bk = 80, 100, 16, 24
+    q, k, v = qkv(rng, 2, lq, lk, 4, 2, 32)
+    dense = rng.random((2, 4, lq, lk)) < 0.75
+    ks, ke = key_ranges.random_ranges(rng, (2, 2, lk), lq)
+    rs, re_ = row_ranges.random_ranges(rng, (2, 1, lq), lk)
+    indices = blocks.random_indices(rng, (1, 4), lq, lk, bq, bk, 3)
+    bias = jnp.asarray(rng.standard_normal((2, 2, 1, lk)), jnp.float32)
+
+    def loss(q, k, v, bias, dense, ks, ke, rs, re_, indices):
+        mask = (dense, masks.KeyRanges(ks, ke), masks.RowRanges(rs, re_),
+                masks.BlockIndices(indices, bq, bk))
+        out = flash_dmattn(q, k, v, mask, bias, implementation="cpu")
+        return jnp.sum(jnp.sin(out)), out
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    args = (q, k, v, bias, dense, ks, ke, rs, re_, indices)
+    want_grads, want = fn(*args)
+    specs = (P("b", None, "h"), P("b", None, "h"), P("b", None, "h"), P("b", "h"),
+             P("b", "h"), P("b", "h"), P("b", "h"), P("b"), P("b"), P(None, "h"))
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)]
+    got_grads, got = fn(*sharded)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for g, ref in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+def test_sequence_sharding_runs_no_ring_with_an_o_l_member():
+    """q, k, v sharded over the sequence: a dense mask alone runs as a ring (collective
+    permutes), the same mask in a tuple with key ranges does not (their rule names absolute
+    positions) and gives the single-device answer."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+    rng = np.random.default_rng(9)
+    lq = lk = 128
+    q, k, v = qkv(rng, 1, lq, lk, 2, 2, 16)
+    dense = jnp.asarray(rng.random((1, 1, lq, lk)) < 0.75)
+    ranges = masks.KeyRanges(*key_ranges.random_ranges(rng, (1, 1, lk), lq))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "seq")))  # noqa: E731
+
+    def run(mask):
+        fn = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(
+            flash_dmattn(q, k, v, mask, implementation="cpu"))), argnums=(0, 1, 2)))
+        text = fn.lower(put(q), put(k), put(v)).compile().as_text()
+        return text, fn(put(q), put(k), put(v)), fn(q, k, v)
+
+    text, _, _ = run(dense)
+    assert re.search(r"collective-permute", text), "the control should run as a ring"
+    text, got, want = run((dense, ranges))
+    assert not re.search(r"collective-permute", text)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6)
+
+
+def test_training_step_has_no_lq_by_lk_array():
+    """jit(value_and_grad) of a causal call whose mask is a tuple of the three O(L) forms, given
+    as an argument of the step: every array of the lowered program and of the compiled one holds
+    fewer than Lq·Lk elements (the control, the same step given their dense and, holds one)."""
+    rng = np.random.default_rng(12)
+    seqlen = 1024
+    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
+    members, dense = random_members(rng, KINDS[1:], 2, seqlen, seqlen, 4, 2, (64, 128, 4))
+
+    def texts(mask):
+        def loss(q, k, v, mask):
+            out = flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
+            return jnp.sum(out ** 2)
+
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask)
+        return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
+
+    for form, text in texts(members).items():
+        sizes = array_sizes(text)
+        assert sizes, form
+        assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
+    for form, text in texts(jnp.asarray(dense)).items():
+        assert max(array_sizes(text))[0] >= seqlen * seqlen, form
+
+
+def test_ffi_operands_and_attributes(monkeypatch):
+    """A tuple of all four kinds reaches both FFI calls as every operand in its own slot (mask
+    after v, then segment ids, key ranges, row ranges, block indices), every flag set."""
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
+    members = (np.ones((2, 1, 24, 32), bool),
+               masks.KeyRanges(*key_ranges.random_ranges(rng, (2, 2, 32), 24)),
+               masks.RowRanges(*row_ranges.random_ranges(rng, (1, 4, 24), 32)),
+               masks.BlockIndices(blocks.random_indices(rng, (2, 1), 24, 32, 5, 3, 4), 5, 3))
+    ids = np.zeros((2, 24), np.int32), np.zeros((2, 32), np.int32)
+
+    def loss(q, k, v):
+        return jnp.sum(flash_dmattn(q, k, v, members, q_segment_ids=ids[0],
+                                    kv_segment_ids=ids[1], implementation="cpu"))
+
+    jax.jit(jax.grad(loss)).lower(q, k, v)
+    by_target = {target: (operands, attrs) for target, operands, attrs in calls}
+    assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
+    i32, pred = jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)
+    for target, (operands, attrs) in by_target.items():
+        first = 3 if target == _ffi.FORWARD_TARGET else 7  # after q, k, v (out, dout, lse, dlse)
+        assert operands[first:] == [
+            ((2, 1, 24, 32), pred), ((2, 24), i32), ((2, 32), i32), ((2, 2, 1, 32), i32),
+            ((2, 2, 1, 32), i32), ((1, 4, 24, 1), i32), ((1, 4, 24, 1), i32),
+            ((2, 1, 5, 4), i32)], operands
+        assert all(attrs[f"has_{name}"] is True for name in (
+            "mask", "segments", "key_ranges", "row_ranges", "block_indices"))
+        assert (attrs["block_q"], attrs["block_k"]) == (5, 3)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def _bad_tuples():
+    rng = np.random.default_rng(0)
+    (dense, keys, rows, block), _ = random_members(rng, KINDS, 2, 40, 50, 4, 2, (8, 16, 2))
+    wrong_keys = masks.KeyRanges(np.zeros((2, 3, 50), np.int32), np.ones((2, 3, 50), np.int32))
+    return [
+        ((), ValueError, r"mask=\(\) holds no mask; pass None"),
+        ((dense, keys, dense), ValueError,
+         r"more than one bool mask \(elements 0 and 2\).*m0 & m1"),
+        ((keys, keys), ValueError, r"more than one KeyRanges \(elements 0 and 1\).*maximum"),
+        ((rows, block, rows), ValueError, r"more than one RowRanges \(elements 0 and 2\)"),
+        ((block, block), ValueError, r"more than one BlockIndices .*to_mask"),
+        ((dense, None), TypeError, r"mask tuple element 1 is NoneType, not a mask"),
+        ((dense, (keys, rows)), TypeError, r"mask tuple element 1 is tuple, not a mask"),
+        ((dense, wrong_keys), ValueError, r"KeyRanges.start shape \(2, 3, 50\)"),
+        ((keys, dense.astype(np.int8)), TypeError, "mask must be bool"),
+    ]
+
+
+@pytest.mark.parametrize("front_end", ["flash_dmattn", "dot_product_attention"])
+def test_bad_tuples(front_end):
+    """An empty tuple, two members of one kind, a None or nested tuple, and a bad member each
+    raise at trace time, naming what is wrong."""
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, 2, 40, 50, 4, 2, 16)
+    for mask, error, match in _bad_tuples():
+        with pytest.raises(error, match=match):
+            if front_end == "flash_dmattn":
+                jax.jit(lambda q, k, v, mask=mask: flash_dmattn(
+                    q, k, v, mask, implementation="cpu")).trace(q, k, v)
+            else:
+                dot_product_attention(q, k, v, mask=mask, implementation="cpu")
+
+
+# ---- the GPU: the reference, with a warning, unless a dense mask is alone ----------------------
+
+
+def test_cuda_refuses_every_combination_with_an_o_l_form(monkeypatch):
+    """On a GPU with kernels for the call, a tuple holding any O(L) form goes to the reference
+    (None warns once per reason, implementation="cuda" raises)."""
+    from jax_dmattn import ops
+    from jax_dmattn.params import AttentionParams
+
+    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
+             "cuda_archs": "90a"}
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    params = AttentionParams(scale=0.1)
+    cuda = AttentionParams(scale=0.1, implementation="cuda")
+    flags = [(True, True, False), (False, True, True), (True, False, True), (True, True, True)]
+    with pytest.warns(RuntimeWarning, match="do not read"):
+        for f in flags:
+            assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, *f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for f in flags:
+            assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, *f)
+    for f in flags:
+        with pytest.raises(ValueError, match="do not read"):
+            ops.uses_kernel("cuda", cuda, jnp.bfloat16, 128, *f)
+        assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, *f)
+
+
+def test_cuda_lowering(monkeypatch):
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a dense mask
+    with key ranges, or with all three O(L) forms, makes no attention FFI call (None warns and
+    lowers the reference, "cuda" raises); the dense mask alone, as ``(mask,)``, calls the CUDA
+    kernels without a warning."""
+    from jax_dmattn import ops
+
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append(target)
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    build = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
+             "cuda_archs": "90a", "xla_ffi_api": [0, 3], "mask_map_cell": 64}
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
+    dense, keys, rows, block = random_members(rng, KINDS, 2, 24, 32, 4, 2, (8, 16, 2))[0]
+
+    def lower(mask, implementation):
+        def loss(q, k, v):
+            out = flash_dmattn(q, k, v, mask, implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32))
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",))
+
+    for mask, reason in (((dense, keys), "key ranges"), ((rows, dense, block), "row ranges"),
+                         ((dense, keys, rows, block), "key ranges")):
+        ops._warned_fallbacks.clear()  # the fixture's set: each combination warns afresh
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lower(mask, None)
+        assert any(f"do not read {reason}" in str(w.message) for w in caught), caught
+        assert calls == []
+        with pytest.raises(ValueError, match="do not read"):
+            lower(mask, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lower((dense,), None)
+    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= set(calls)
