@@ -92,8 +92,9 @@ __device__ __forceinline__ void skip_operands(const FwdParamsSm90& P, const FwdB
 // causality and the window; none for rows past Lq), passing the tile's others: with three
 // consumers, whose 192-row tile's last blocks on the diagonal hide every key from its first
 // warpgroup, and whose last tile has warpgroups without rows where 192 does not divide Lq.
-// Without those GEMMs D = 64 forwards ran 3-7 % faster (H200: causal L4k 0.713 -> 0.660 ms);
-// with two consumers the code alone cost the D = 128 bias + mask forward 0.8 %.
+// Without those GEMMs D = 64 forwards ran 5-12 % faster (H200: causal L4k 0.713 -> 0.631 ms,
+// L16k 2.292 -> 2.178); with two consumers the code alone cost the D = 128 bias + mask forward
+// 0.8 %.
 template <typename Tr>
 inline constexpr bool kWarpgroupKeys = Tr::kConsumers == 3;
 
