@@ -72,6 +72,36 @@ def _skip_uncompiled(items) -> None:
                 reason=f"this build has no CUDA kernel for head dim {head_dim} / {dtype}"))
 
 
+# ---- a CUDA build seen from a machine without one ---------------------------------------------
+
+
+def fake_cuda_build(monkeypatch, head_dims: list[int], **extra) -> None:
+    """Makes jax_dmattn see a CUDA build with bf16 / fp16 kernels of `head_dims` for sm_90a on an
+    sm_90 GPU (`extra`: more build_info entries), its fallback warnings not yet given."""
+    from jax_dmattn import _ffi, ops
+
+    build = {"cuda": True, "cuda_head_dims": list(head_dims), "cuda_dtypes": "bf16,fp16",
+             "cuda_archs": "90a", "xla_ffi_api": [0, 3], **extra}
+    monkeypatch.setattr(_ffi, "build_info", lambda: build)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+
+
+def record_ffi_calls(monkeypatch) -> list[tuple[str, list[tuple], dict]]:
+    """Replaces the FFI custom call by one that records (target, [(shape, dtype) of each
+    operand], attributes) and gives zeros of the results' shapes: lowering without kernels."""
+    from jax_dmattn import _ffi
+
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    return calls
+
+
 # ---- tolerances (DESIGN.md §4) ---------------------------------------------------------------
 
 HALF_DTYPES = ("float16", "bfloat16")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fake_cuda_build, record_ffi_calls
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_row_ranges import assert_close, flash, outputs_and_grads, qkv, to64
@@ -261,13 +262,7 @@ def test_ffi_operands_and_attributes(monkeypatch):
     ids, with ``has_block_indices`` and the block sizes set (and no range flag); build_info
     reports them."""
     assert _ffi.build_info()["block_indices"] is True
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    monkeypatch.setattr(_ffi, "_call", fake_call)
+    calls = record_ffi_calls(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
     indices = random_indices(rng, (2, 2), 24, 32, 5, 3, 4).astype(np.int64)
@@ -370,11 +365,7 @@ def test_cuda_refuses_block_indices(monkeypatch):
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a"}
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1, block_q=16, block_k=16)
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
     with pytest.warns(RuntimeWarning, match="do not read block indices"):
@@ -391,20 +382,9 @@ def test_cuda_refuses_block_indices(monkeypatch):
 def test_cuda_lowering_runs_the_reference(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a call with
     block indices makes no FFI call: None warns and lowers the reference, "cuda" raises."""
-    from jax_dmattn import ops
 
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append(target)
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    build = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
-    monkeypatch.setattr(_ffi, "_call", fake_call)
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    calls = record_ffi_calls(monkeypatch)
+    fake_cuda_build(monkeypatch, [16])
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
     blocks = masks.BlockIndices(random_indices(rng, (2, 2), 24, 32, 8, 8, 2), 8, 8)

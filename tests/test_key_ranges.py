@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fake_cuda_build
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -289,14 +290,10 @@ def test_values_unchecked_under_jit_follow_the_rule():
 def test_cuda_refuses_key_ranges(monkeypatch):
     """On a GPU with kernels for the call, key ranges still go to the reference: None warns once
     naming the reason, implementation="cuda" raises."""
-    from jax_dmattn import _ffi, ops
+    from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a"}
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1)
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
     with pytest.warns(RuntimeWarning, match="do not read key ranges"):

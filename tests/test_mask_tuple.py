@@ -21,6 +21,7 @@ import pytest
 import test_block_indices as blocks
 import test_key_ranges as key_ranges
 import test_row_ranges as row_ranges
+from conftest import fake_cuda_build, record_ffi_calls
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_row_ranges import assert_close, outputs_and_grads, qkv, to64
@@ -393,13 +394,7 @@ def test_training_step_has_no_lq_by_lk_array():
 def test_ffi_operands_and_attributes(monkeypatch):
     """A tuple of all four kinds reaches both FFI calls as every operand in its own slot (mask
     after v, then segment ids, key ranges, row ranges, block indices), every flag set."""
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    monkeypatch.setattr(_ffi, "_call", fake_call)
+    calls = record_ffi_calls(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
     members = (np.ones((2, 1, 24, 32), bool),
@@ -472,11 +467,7 @@ def test_cuda_refuses_every_combination_with_an_o_l_form(monkeypatch):
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a"}
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1)
     cuda = AttentionParams(scale=0.1, implementation="cuda")
     flags = [(True, True, False), (False, True, True), (True, False, True), (True, True, True)]
@@ -500,18 +491,8 @@ def test_cuda_lowering(monkeypatch):
     kernels without a warning."""
     from jax_dmattn import ops
 
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append(target)
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    build = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a", "xla_ffi_api": [0, 3], "mask_map_cell": 64}
-    monkeypatch.setattr(_ffi, "_call", fake_call)
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    calls = record_ffi_calls(monkeypatch)
+    fake_cuda_build(monkeypatch, [16], mask_map_cell=64)
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
     dense, keys, rows, block = random_members(rng, KINDS, 2, 24, 32, 4, 2, (8, 16, 2))[0]
@@ -536,4 +517,4 @@ def test_cuda_lowering(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lower((dense,), None)
-    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= set(calls)
+    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= {target for target, *_ in calls}

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fake_cuda_build, record_ffi_calls
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -261,13 +262,7 @@ def test_ffi_operands_and_attribute(monkeypatch):
     """The row ranges reach both FFI calls as int32 ``[B, Hr, Lq, 1]`` after the segment ids,
     with ``has_row_ranges`` set (and ``has_key_ranges`` not); build_info reports them."""
     assert _ffi.build_info()["row_ranges"] is True
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append((target, [(x.shape, x.dtype) for x in operands], attrs))
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    monkeypatch.setattr(_ffi, "_call", fake_call)
+    calls = record_ffi_calls(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
     start, end = random_ranges(rng, (2, 2, 24), 32)
@@ -329,11 +324,7 @@ def test_cuda_refuses_row_ranges(monkeypatch):
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    build = {"cuda": True, "cuda_head_dims": [128], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a"}
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1)
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
     with pytest.warns(RuntimeWarning, match="do not read row ranges"):
@@ -350,20 +341,9 @@ def test_cuda_refuses_row_ranges(monkeypatch):
 def test_cuda_lowering_runs_the_reference(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a call with
     row ranges makes no FFI call: None warns and lowers the reference, "cuda" raises."""
-    from jax_dmattn import ops
 
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append(target)
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    build = {"cuda": True, "cuda_head_dims": [16], "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
-    monkeypatch.setattr(_ffi, "_call", fake_call)
-    monkeypatch.setattr(_ffi, "build_info", lambda: build)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    calls = record_ffi_calls(monkeypatch)
+    fake_cuda_build(monkeypatch, [16])
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
     ranges = masks.RowRanges(*random_ranges(rng, (2, 2, 24), 32))
