@@ -12,10 +12,12 @@ mask and one of each form): each form has its own operand, so the kernels read t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dmattn import masks, validation
 from jax_dmattn._primitives import core
@@ -25,6 +27,8 @@ from jax_dmattn.params import AttentionParams
 OneMask: TypeAlias = jax.Array | masks.KeyRanges | masks.RowRanges | masks.BlockIndices
 # The ``mask`` argument: one mask, a tuple of them (their and) or None.
 Mask: TypeAlias = OneMask | tuple[OneMask, ...] | None
+# ``window_sizes``: concrete integers [Hk, 3] or [3], rows (sink, left, right).
+WindowSizes: TypeAlias = np.ndarray | Sequence[int] | Sequence[Sequence[int]] | None
 
 # The O(L) forms. They are NamedTuples, so they are told apart from a tuple of masks by type.
 _FORMS = (masks.KeyRanges, masks.RowRanges, masks.BlockIndices)
@@ -45,6 +49,7 @@ def flash_dmattn(
     deterministic: bool = False,
     return_lse: bool = False,
     implementation: str | None = None,
+    window_sizes: WindowSizes = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flash Dynamic Mask Attention: ``softmax(scale · Q Kᵀ + bias, masked) V``.
 
@@ -81,6 +86,15 @@ def flash_dmattn(
       return_lse: also return ``lse [B, H, Lq]`` float32 (natural log; ``-inf`` for a row with no
         visible key).
       implementation: ``None`` (best for the platform), ``"cuda"``, ``"cpu"`` or ``"xla"``.
+      window_sizes: optional per-kv-head local windows with attention sinks: concrete integers
+        ``[Hk, 3]`` or ``[3]`` (the same for every kv head), rows ``(sink, left, right)``. Query
+        ``i`` of kv head ``g`` sees key ``j`` only where ``j < sink[g]`` or
+        ``i + Lk - Lq - left[g] <= j <= i + Lk - Lq + right[g]`` (bottom-right aligned like
+        ``is_causal``; a negative bound is unbounded), and-ed with every other rule: causality,
+        lengths, segment ids and masks hide sink keys too. Tiles outside every window and sink
+        are skipped. A table that is one window without sink for all heads runs the plain
+        window (CUDA included); any other table runs the CPU kernels, and on a GPU the
+        reference (implementation='cuda' raises).
 
     Returns:
       ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key
@@ -91,11 +105,16 @@ def flash_dmattn(
     dims = validation.dims_of(q, k)
     q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
     m = _mask_operands(_members(mask), dims)
+    window = _window(validation.check_window_sizes(window_sizes, dims.kv_heads), -1,
+                     0 if is_causal else -1)
+    aligned = is_causal or window != (-1, -1, None)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
-        diagonal_offset=dims.seqlen_k - dims.seqlen_q if is_causal else 0,
-        window_right=0 if is_causal else -1,
+        diagonal_offset=dims.seqlen_k - dims.seqlen_q if aligned else 0,
+        window_left=window.left,
+        window_right=window.right,
+        window_sizes=window.table,
         deterministic=bool(deterministic),
         implementation=implementation,
         block_q=m.block_q,
@@ -105,6 +124,32 @@ def flash_dmattn(
                               None, None, q_segments, kv_segments, m.key_start, m.key_end,
                               m.row_start, m.row_end, m.block_indices)
     return (out, lse) if return_lse else out
+
+
+class _Window(NamedTuple):
+    """A call's window: the shared bounds (-1 unbounded) and the per-kv-head table, or None."""
+
+    left: int
+    right: int
+    table: tuple[tuple[int, int, int], ...] | None
+
+
+def _tighter(a: int, b: int) -> int:
+    """The and of two window bounds on one side (< 0: unbounded)."""
+    return max(a, b) if min(a, b) < 0 else min(a, b)
+
+
+def _window(table: tuple[tuple[int, int, int], ...] | None, left: int, right: int) -> _Window:
+    """The window of a call whose shared bounds (causality, ``local_window_size``) are
+    `left`/`right` and whose per-kv-head table (from ``validation.check_window_sizes``) is
+    `table`. A table of one row repeated without sink is a shared window: it joins the bounds
+    and runs the plain window path (the CUDA kernels included); any other table is kept."""
+    if table is None:
+        return _Window(left, right, None)
+    sink, head_left, head_right = table[0]
+    if sink == 0 and all(row == table[0] for row in table):
+        return _Window(_tighter(left, head_left), _tighter(right, head_right), None)
+    return _Window(left, right, table)
 
 
 class _MaskOperands(NamedTuple):
@@ -199,9 +244,10 @@ def dot_product_attention(
     return_residual: bool = False,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    window_sizes: WindowSizes = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics (plus
-    two keywords of its own at the end, the segment ids).
+    three keywords of its own at the end, the segment ids and ``window_sizes``).
 
     Shapes: query ``[B, T, N, H]`` or ``[T, N, H]``, key/value ``[B, S, K, H]`` or ``[S, K, H]``;
     bias and mask broadcastable to ``[B, N, T, S]`` (each dim full or 1); sequence lengths int32
@@ -218,6 +264,11 @@ def dot_product_attention(
     or a tuple of these meaning their and (at most one bool mask and one of each form; ``(m,)``
     is ``m``). ``is_causal`` is top-left aligned (query ``i`` sees keys ``j <= i``);
     ``local_window_size=(left, right)`` lets query ``i`` see keys ``i - left .. i + right``.
+    ``window_sizes`` (an addition; not with ``local_window_size``): concrete integers ``[K, 3]``
+    or ``[3]``, per kv head ``(sink, left, right)``: query ``i`` of kv head ``g`` sees key ``j``
+    only where ``j < sink[g]`` or ``i - left[g] <= j <= i + right[g]`` (top-left aligned like
+    ``local_window_size``; a negative bound is unbounded), and-ed with every other rule
+    (causality hides sink keys after ``i`` too); see :func:`flash_dmattn`.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
     visible key gives zeros (and residual ``-inf``), and masked tiles are skipped.
@@ -259,13 +310,18 @@ def dot_product_attention(
             x if x is None or jnp.ndim(x) != 1 else jnp.expand_dims(jnp.asarray(x), 0)
             for x in (q_segment_ids, kv_segment_ids))
     q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
+    if window_sizes is not None and local_window_size is not None:
+        raise ValueError("window_sizes and local_window_size cannot be combined: pass the "
+                         "window as window_sizes=(0, left, right), or per kv head [K, 3]")
     left, right = validation.check_window(local_window_size)
     if is_causal:
         right = 0
+    window = _window(validation.check_window_sizes(window_sizes, dims.kv_heads), left, right)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
-        window_left=left,
-        window_right=right,
+        window_left=window.left,
+        window_right=window.right,
+        window_sizes=window.table,
         implementation=implementation,
         block_q=m.block_q,
         block_k=m.block_k,

@@ -20,8 +20,12 @@ class AttentionParams:
     segment id (sequence packing, where segment ids are given), ``key_start[j] <= i <
     key_end[j]`` (where key ranges are given), ``row_start[i] <= j < row_end[i]`` (where row
     ranges are given), ``j // block_k`` is among ``block_indices[i // block_q, :]`` (where block
-    indices are given: ``block_q`` and ``block_k`` are their block sizes, 0 without them), and
-    the mask (if any) is True there.
+    indices are given: ``block_q`` and ``block_k`` are their block sizes, 0 without them),
+    the kv head's window allows it (where ``window_sizes`` is given: row ``g = h // (H // Hk)``,
+    ``(sink, left, right)``, allows ``j < sink`` or
+    ``i + diagonal_offset - left <= j <= i + diagonal_offset + right``, a bound < 0 unbounded;
+    and-ed with the rules above, so causality hides a sink's future keys too), and the mask (if
+    any) is True there.
     """
 
     scale: float
@@ -33,6 +37,8 @@ class AttentionParams:
     implementation: str | None = None
     block_q: int = 0
     block_k: int = 0
+    # Per-kv-head windows with sinks: Hk rows (sink, left, right), or None.
+    window_sizes: tuple[tuple[int, int, int], ...] | None = None
 
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
                        has_segments: bool = False, has_key_ranges: bool = False,
@@ -44,6 +50,8 @@ class AttentionParams:
             diagonal_offset=np.int64(self.diagonal_offset),
             window_left=np.int64(self.window_left),
             window_right=np.int64(self.window_right),
+            # [Hk, 3] row-major; empty without per-head windows.
+            window_sizes=np.asarray(self.window_sizes or (), np.int64).reshape(-1),
             has_mask=has_mask,
             has_bias=has_bias,
             has_seqlens=has_seqlens,

@@ -11,7 +11,8 @@ Shapes (leading batch dims ``*B`` may be several; other operands broadcast over 
   ``row_start[i] <= j < row_end[i]``; likewise expanded), block_indices
   ``[*B|1, H|Hk|1, ceil(Lq / block_q), K]`` int32 (query ``i`` sees key ``j`` only where
   ``j // block_k`` is among ``block_indices[i // block_q, :]``, the block sizes in params;
-  expanded likewise).
+  expanded likewise). ``params.window_sizes`` (per-kv-head windows with sinks) is expanded to
+  a ``[Hk, Lq, Lk]`` mask likewise.
   Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dmattn.params import AttentionParams
 
@@ -65,6 +67,21 @@ def visibility(
     if q_segments is not None:
         visible = visible & (q_segments[..., :, None] == kv_segments[..., None, :])
     return visible
+
+
+def head_windows(params: AttentionParams, seqlen_q: int, seqlen_k: int) -> jax.Array:
+    """Bool ``[Hk, Lq, Lk]``: the per-kv-head window rule of ``params.window_sizes`` (rows
+    ``(sink, left, right)``): key ``j < sink`` or within ``left`` / ``right`` of the aligned
+    diagonal (< 0: unbounded). The other rules are and-ed on by the caller."""
+    # Bounds past Lq + Lk act like Lq + Lk: clipped, they fit int32 whatever the x64 mode.
+    table = np.clip(np.asarray(params.window_sizes, np.int64), -1, seqlen_q + seqlen_k)
+    table = jnp.asarray(table.astype(np.int32))[:, :, None, None]  # [Hk, 3, 1, 1]
+    sink, left, right = table[:, 0], table[:, 1], table[:, 2]
+    i = jnp.arange(seqlen_q)[:, None]
+    j = jnp.arange(seqlen_k)[None, :]
+    diagonal = i + params.diagonal_offset
+    band = (((left < 0) | (j >= diagonal - left)) & ((right < 0) | (j <= diagonal + right)))
+    return (j < sink) | band
 
 
 def _listed_blocks(block_indices: jax.Array, block_q: int, block_k: int, seqlen_q: int,
@@ -114,6 +131,8 @@ def attention(
     visible = visibility(params, seqlen_q, seqlen_k, q_lens, kv_lens, q_segments,
                          kv_segments)
     visible = jnp.expand_dims(visible, (-4, -3))  # [*B|1, 1, 1, Lq, Lk]
+    if params.window_sizes is not None:
+        visible = visible & head_windows(params, seqlen_q, seqlen_k)[:, None]
     if mask is not None:
         visible = visible & _split_heads(mask, num_kv_heads, group)
     if key_start is not None:

@@ -309,3 +309,37 @@ def check_window(local_window_size) -> tuple[int, int]:
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
     return left, right
+
+
+def check_window_sizes(window_sizes, num_kv_heads: int) -> tuple[tuple[int, int, int], ...] | None:
+    """Per-kv-head windows with sinks as ``num_kv_heads`` rows ``(sink, left, right)``, or None.
+
+    `window_sizes`: None, or concrete integers of shape ``[3]`` (one window for every kv head) or
+    ``[Hk, 3]``: ``sink >= 0`` keys always visible (subject to the other rules), ``left`` /
+    ``right`` keys either side of the aligned diagonal, < 0 for unbounded (returned as -1). A row
+    bounded on neither side gets sink 0, since its band holds every key anyway.
+    """
+    if window_sizes is None:
+        return None
+    accepted = (f"concrete integers of shape [3] or [{num_kv_heads}, 3] ([Hk, 3]): rows "
+                "(sink >= 0, left, right), a negative left or right for unbounded")
+    if isinstance(window_sizes, jax.core.Tracer):
+        raise TypeError(f"window_sizes must be {accepted}; got a traced array (its values "
+                        "decide which tiles the kernels skip, so they are static)")
+    try:
+        table = np.asarray(window_sizes)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"window_sizes must be {accepted}, got {window_sizes!r}") from e
+    if table.dtype == bool or not np.issubdtype(table.dtype, np.integer):
+        raise TypeError(f"window_sizes must be {accepted}, got dtype {table.dtype.name}")
+    if table.shape == (3,):
+        table = np.broadcast_to(table, (num_kv_heads, 3))
+    if table.shape != (num_kv_heads, 3):
+        raise ValueError(f"window_sizes shape {table.shape} is not accepted; expected {accepted}")
+    if (table[:, 0] < 0).any():
+        raise ValueError(f"window_sizes sinks must be >= 0, got {table[:, 0].tolist()}")
+    rows = []
+    for sink, left, right in table.tolist():
+        left, right = max(left, -1), max(right, -1)
+        rows.append((sink if left >= 0 or right >= 0 else 0, left, right))
+    return tuple(rows)

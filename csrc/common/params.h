@@ -120,6 +120,13 @@ struct AttentionShape {
   // and row ranges, block indices and the mask apply too.
   int64_t diagonal_offset = 0;
   int64_t window_left = -1, window_right = -1;
+  // Per-kv-head windows with sinks, or null: row g of this [Hk, 3] table, (sink, left, right),
+  // further limits the queries of kv head g to keys j < sink or
+  // i + diagonal_offset - left <= j <= i + diagonal_offset + right (a bound < 0 unbounded),
+  // and-ed with the rule above (so causality hides the sink's future keys too). Host memory of
+  // the call's attribute, valid during the call: only the CPU kernels read it, the CUDA handlers
+  // refuse a call that carries one.
+  const int64_t* head_windows = nullptr;
   bool deterministic = false;
 
   DMATTN_HD int64_t batch_count() const { return batch.count(); }

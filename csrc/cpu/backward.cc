@@ -271,7 +271,7 @@ void QueryBlockTask(const AttentionShape& shape, const BackwardArgs& args, int64
   const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile
   if (block.rows > 0) {
     LoadQuerySide(shape, args, ops, item, block, tiles);
-    const Range keys = VisibleKeysOfRows(shape, block.i0, block.rows, item.kv_len);
+    const Range keys = VisibleKeysOfRows(shape, item, block.i0, block.rows);
     const int64_t kb_end = keys.empty() ? 0 : NumBlocks(keys.end, kBlockN);
     for (int64_t kb = keys.begin / kBlockN; kb < kb_end; ++kb) {
       const Tile t = MakeTile(item, qb, kb);

@@ -70,7 +70,7 @@ void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
   const T* v = static_cast<const T*>(args.v) + item.kv_offset;
 
   const Tile block = MakeTile(item, qb, 0);
-  const Range keys = VisibleKeysOfRows(shape, block.i0, block.rows, item.kv_len);
+  const Range keys = VisibleKeysOfRows(shape, item, block.i0, block.rows);
   const int64_t kb_end = keys.empty() ? 0 : NumBlocks(keys.end, kBlockN);
   for (int64_t kb = keys.begin / kBlockN; kb < kb_end; ++kb) {
     const Tile t = MakeTile(item, qb, kb);

@@ -72,18 +72,22 @@ inline void ListedTileCols(const AttentionShape& shape, const HeadItem& item, co
   }
 }
 
-// s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule, past
-// q_len / kv_len, in another segment, outside the key's range or the row's range, in a key block
-// the row's query block does not list, or masked out.
+// s[r][c] <- -inf where key c is not visible to row r: outside the diagonal/window rule or the
+// kv head's window and sink, past q_len / kv_len, in another segment, outside the key's range or
+// the row's range, in a key block the row's query block does not list, or masked out.
 inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& item,
                                 const bool* item_mask, const Tile& t, float* s) {
   uint8_t listed[kBlockN];
   int64_t listed_for = -1;  // the query block `listed` was made for (rows share their block's)
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
     float* __restrict srow = s + r * kBlockN;
-    const Range vis = r < t.rows ? RowVisibleCols(shape, item, t, r) : Range{};
+    const RowKeys keys = r < t.rows ? RowVisibleCols(shape, item, t, r) : RowKeys{};
+    // The later rules only narrow the row within `vis`; keys between a sink and its band are
+    // hidden here already.
+    const Range vis = keys.hull();
     for (int64_t c = 0; c < t.padded_cols(); ++c)
       srow[c] = (c >= vis.begin && c < vis.end) ? srow[c] : -INFINITY;
+    for (int64_t c = keys.low.end; c < keys.high.begin; ++c) srow[c] = -INFINITY;
     if (item.q_segments != nullptr && !vis.empty()) {
       const int32_t segment = item.q_segments[t.i0 + r];
       const int32_t* __restrict keys = item.kv_segments + t.j0;

@@ -44,6 +44,11 @@ struct HeadItem {
   // The item's block indices (query block n sees the key blocks block_indices[n * K + 0..K)),
   // or null.
   const int32_t* block_indices = nullptr;  // [ceil(Lq / block_q), K]
+  // The item's kv head window (its row of shape.head_windows): keys [0, sink) and the band
+  // [i + diagonal_offset - left, i + diagonal_offset + right] (a bound < 0 unbounded), on top of
+  // the shape's own window; head_window false without a table.
+  bool head_window = false;
+  int64_t sink = 0, left = -1, right = -1;
 };
 
 // Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges, block
@@ -75,6 +80,13 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
   }
   if (shape.block_indices.present) {
     item.block_indices = args.block_indices + shape.block_indices.offset(shape.batch, b, h);
+  }
+  if (shape.head_windows != nullptr) {
+    const int64_t* row = shape.head_windows + 3 * (h / shape.heads_per_kv_head());
+    item.head_window = true;
+    item.sink = row[0];
+    item.left = row[1];
+    item.right = row[2];
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -108,33 +120,61 @@ struct Range {
   bool empty() const { return begin >= end; }
 };
 
-// Keys that the diagonal/window rule and kv_len leave visible to query i.
-inline Range VisibleKeys(const AttentionShape& shape, int64_t i, int64_t kv_len) {
-  return Range{shape.first_visible_key(i), shape.end_visible_key(i, kv_len)};
+// The keys one row may see by the diagonal/window rule, kv_len and its kv head's window: `low`
+// and `high`, disjoint, low before high; high is empty unless a sink and a band are apart.
+struct RowKeys {
+  Range low, high;
+  bool empty() const { return low.empty() && high.empty(); }
+  // The smallest range holding both.
+  Range hull() const {
+    if (high.empty()) return low;
+    return low.empty() ? high : Range{low.begin, high.end};
+  }
+};
+
+// Keys visible to query i. Without a head window, one range; with one, the shape's range cut to
+// the sink [0, sink) and to the head's band, which are one range where they meet.
+inline RowKeys VisibleKeys(const AttentionShape& shape, const HeadItem& item, int64_t i) {
+  const Range all{shape.first_visible_key(i), shape.end_visible_key(i, item.kv_len)};
+  if (!item.head_window || all.empty()) return RowKeys{all, Range{}};
+  const int64_t diagonal = i + shape.diagonal_offset;
+  const Range sink{all.begin, std::min(all.end, item.sink)};
+  Range band = all;
+  if (item.left >= 0) band.begin = std::max(band.begin, diagonal - item.left);
+  if (item.right >= 0) band.end = std::min(band.end, diagonal + item.right + 1);
+  if (sink.empty()) return RowKeys{band, Range{}};
+  if (band.empty()) return RowKeys{sink, Range{}};
+  // sink.begin <= band.begin (both start at or after all.begin, the sink exactly there).
+  if (band.begin <= sink.end) return RowKeys{Range{sink.begin, std::max(sink.end, band.end)}, {}};
+  return RowKeys{sink, band};
 }
 
-// Keys visible to at least one of the rows [i0, i0 + rows). Both ends of a row's range move right
-// by at most one key per row, so the non-empty ranges overlap and their union is one range.
-inline Range VisibleKeysOfRows(const AttentionShape& shape, int64_t i0, int64_t rows,
-                               int64_t kv_len) {
+// Keys visible to at least one of the rows [i0, i0 + rows), as one range (the hull of the rows'
+// keys; tiles inside it that no row sees are skipped tile by tile).
+inline Range VisibleKeysOfRows(const AttentionShape& shape, const HeadItem& item,
+                               int64_t i0, int64_t rows) {
   Range all;
   bool any = false;
   for (int64_t i = i0; i < i0 + rows; ++i) {
-    const Range r = VisibleKeys(shape, i, kv_len);
+    const Range r = VisibleKeys(shape, item, i).hull();
     if (r.empty()) continue;
-    if (!any) all.begin = r.begin;
-    all.end = r.end;
+    all.begin = any ? std::min(all.begin, r.begin) : r.begin;
+    all.end = any ? std::max(all.end, r.end) : r.end;
     any = true;
   }
   return any ? all : Range{};
 }
 
-// Row r's visible keys in tile coordinates (within [0, t.cols)), by the diagonal/window rule.
-inline Range RowVisibleCols(const AttentionShape& shape, const HeadItem& item, const Tile& t,
-                            int64_t r) {
-  const Range keys = VisibleKeys(shape, t.i0 + r, item.kv_len);
-  return Range{std::clamp<int64_t>(keys.begin - t.j0, 0, t.cols),
-               std::clamp<int64_t>(keys.end - t.j0, 0, t.cols)};
+// Row r's visible keys in tile coordinates (within [0, t.cols)), by the diagonal/window rule and
+// the kv head's window.
+inline RowKeys RowVisibleCols(const AttentionShape& shape, const HeadItem& item, const Tile& t,
+                              int64_t r) {
+  const RowKeys keys = VisibleKeys(shape, item, t.i0 + r);
+  const auto to_tile = [&](Range k) {
+    return Range{std::clamp<int64_t>(k.begin - t.j0, 0, t.cols),
+                 std::clamp<int64_t>(k.end - t.j0, 0, t.cols)};
+  };
+  return RowKeys{to_tile(keys.low), to_tile(keys.high)};
 }
 
 // Start of row r, column 0 of the tile in a mask or bias (or dbias) of this item.
@@ -245,9 +285,10 @@ inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
     return false;
   // The rule's visible columns only move right down the rows, so it leaves the whole tile when
   // the last row starts at column 0 and the first row ends at the last column: the common case,
-  // scanned block-wise.
-  const bool whole_tile = RowVisibleCols(shape, item, t, t.rows - 1).begin == 0 &&
-                          RowVisibleCols(shape, item, t, 0).end == t.cols;
+  // scanned block-wise. A head window's sink breaks that monotony: such items go row by row.
+  const bool whole_tile = !item.head_window &&
+                          RowVisibleCols(shape, item, t, t.rows - 1).low.begin == 0 &&
+                          RowVisibleCols(shape, item, t, 0).low.end == t.cols;
   if (whole_tile && item_mask == nullptr) return true;
   if (whole_tile && shape.mask.col_stride == 1) {
     const int64_t rows = shape.mask.broadcast_over_rows() ? 1 : t.rows;
@@ -255,10 +296,12 @@ inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                         t.cols);
   }
   for (int64_t r = 0; r < t.rows; ++r) {
-    const Range cols = RowVisibleCols(shape, item, t, r);
+    const RowKeys cols = RowVisibleCols(shape, item, t, r);
     if (cols.empty()) continue;
     if (item_mask == nullptr) return true;
-    if (MaskRowAny(OperandRow(item_mask, shape.mask, t, r), shape.mask.col_stride, cols))
+    const bool* row = OperandRow(item_mask, shape.mask, t, r);
+    if (MaskRowAny(row, shape.mask.col_stride, cols.low) ||
+        MaskRowAny(row, shape.mask.col_stride, cols.high))
       return true;
   }
   return false;

@@ -35,6 +35,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels do not read block indices yet (issue 24)");
   }
+  if (shape.head_windows != nullptr) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: the CUDA kernels do not take per-kv-head windows or sinks "
+                      "yet (issue 27)");
+  }
   if (shape.mask.present && (mask_map == nullptr || mask_bits == nullptr)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: a CUDA call with a mask needs its mask_map and mask_bits "

@@ -91,6 +91,23 @@ ffi::Error ExpectSameType(ffi::AnyBuffer x, ffi::DataType type, const char* name
   return ffi::Error::Success();
 }
 
+// The per-kv-head window table: empty (none) or [Hk, 3] rows (sink >= 0, left, right).
+ffi::Error DecodeHeadWindows(ffi::Span<const int64_t> table, AttentionShape* s) {
+  if (table.size() == 0) return ffi::Error::Success();
+  if (static_cast<int64_t>(table.size()) != 3 * s->num_kv_heads) {
+    return Invalid("window_sizes has " + std::to_string(table.size()) +
+                   " entries, expected 3 per kv head (" + std::to_string(s->num_kv_heads) +
+                   " kv heads)");
+  }
+  for (int64_t g = 0; g < s->num_kv_heads; ++g) {
+    if (table[3 * g] < 0) {
+      return Invalid("window_sizes sink of kv head " + std::to_string(g) + " is negative");
+    }
+  }
+  s->head_windows = table.begin();
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          const AttentionAttrs& attrs, AttentionShape* s) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -131,7 +148,7 @@ ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->window_left = attrs.window_left;
   s->window_right = attrs.window_right;
   s->deterministic = attrs.deterministic;
-  return ffi::Error::Success();
+  return DecodeHeadWindows(attrs.window_sizes, s);
 }
 
 // A mask or bias: [*batch|1, H|Hk|1, Lq|1, Lk|1].

@@ -28,6 +28,8 @@ struct AttentionAttrs {
   int64_t diagonal_offset;
   int64_t window_left;
   int64_t window_right;
+  // Per-kv-head windows with sinks, [Hk, 3] row-major (sink, left, right); empty without.
+  xla::ffi::Span<const int64_t> window_sizes;
   bool has_mask;
   bool has_bias;
   bool has_seqlens;
@@ -80,6 +82,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("diagonal_offset"),
     ::xla::ffi::StructMember<int64_t>("window_left"),
     ::xla::ffi::StructMember<int64_t>("window_right"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("window_sizes"),
     ::xla::ffi::StructMember<bool>("has_mask"), ::xla::ffi::StructMember<bool>("has_bias"),
     ::xla::ffi::StructMember<bool>("has_seqlens"), ::xla::ffi::StructMember<bool>("has_segments"),
     ::xla::ffi::StructMember<bool>("has_key_ranges"),

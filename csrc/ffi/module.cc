@@ -133,7 +133,7 @@ int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> 
   }
   const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
   rets.push_back(lseb);
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, false, has_bias, false, has_segments};
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, {}, false, has_bias, false, has_segments};
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
   ThrowOnError(dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs));
@@ -153,7 +153,7 @@ dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::ve
   if (bias) args.push_back(b.Add(*bias, XLA_FFI_DataType_BF16));
   const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, mask.has_value(), bias.has_value(), false,
+  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, {}, mask.has_value(), bias.has_value(), false,
                                has_segments};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;

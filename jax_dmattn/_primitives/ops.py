@@ -219,10 +219,10 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_key_ranges: bool = False, has_row_ranges: bool = False,
                 has_block_indices: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or with key or row ranges or block indices, which the CUDA
-    kernels do not read yet, alone or beside a mask and each other: the first of them missing
-    is the reason), implementation="cuda" raises and None warns once per reason (then runs the
-    pure-JAX reference)."""
+    without a kernel for the call (or with key or row ranges, per-kv-head windows or block
+    indices, which the CUDA kernels do not read yet, alone or beside a mask and each other: the
+    first of them missing is the reason), implementation="cuda" raises and None warns once per
+    reason (then runs the pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -239,6 +239,10 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
     if missing is None and has_row_ranges:
         missing = ("the CUDA kernels do not read row ranges (masks.RowRanges) yet",
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
+    if missing is None and params.window_sizes is not None:
+        missing = ("the CUDA kernels do not take per-kv-head windows or sinks (window_sizes) yet",
+                   "A table of one window without sink for every kv head runs on the CUDA "
+                   "kernels (issue 27).")
     if missing is None and has_block_indices:
         missing = ("the CUDA kernels do not read block indices (masks.BlockIndices) yet",
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")

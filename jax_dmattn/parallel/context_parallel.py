@@ -97,10 +97,11 @@ def ring_candidate(params: AttentionParams, has_seqlens: bool, seqlen_q: int,
                    seqlen_k: int, has_segments: bool = False) -> bool:
     """True when a call's visibility rule can run as a ring over sequence chunks: no sequence
     lengths, no segment ids, key or row ranges or block indices (`has_segments` stands for all:
-    their rules name absolute positions), no window, and causality only on the main diagonal of a
-    square score matrix (the ring then needs three kinds of step: past, diagonal, future)."""
+    their rules name absolute positions), no window (a per-kv-head table's sinks are absolute
+    positions too), and causality only on the main diagonal of a square score matrix (the ring
+    then needs three kinds of step: past, diagonal, future)."""
     if (has_seqlens or has_segments or params.window_left >= 0
-            or params.window_right not in (-1, 0)):
+            or params.window_right not in (-1, 0) or params.window_sizes is not None):
         return False
     return params.window_right == -1 or (params.diagonal_offset == 0 and seqlen_q == seqlen_k)
 

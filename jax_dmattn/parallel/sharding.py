@@ -16,19 +16,25 @@ the kernels as steps. Any other sequence sharding is replicated (gathered) as be
 whose mask is a tuple gives each member its own operand and rule, and the strictest holds for the
 call: one member whose rule names absolute positions (key or row ranges, block indices) keeps the
 sequence replicated, never a ring, whatever the others allow.
-Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly.
+A per-kv-head window table (``window_sizes``) names absolute positions too (its sinks), so such
+a call never runs as a ring; with the kv heads sharded each shard runs the rows of its own kv
+heads. Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly (there the
+call's table is that of the local kv heads, like its k and v).
 
 Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import string
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -201,7 +207,7 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
     q_spec = arg_specs[0]
     if not backward:
         result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
-        lower = functools.partial(_forward_impl, platform, params, opts)
+        lower = _local_call(_forward_impl, platform, params, opts, mesh, plan)
         if plan.seq is not None:
             lower = functools.partial(_ring_forward, platform, params, opts, plan.seq)
     else:
@@ -213,7 +219,7 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
             grad_specs.append(_gradient_spec(bias_spec, q_spec, nb - 1))
         result_specs = grad_specs
         psum_axes = [_reduced_axes(spec, q_spec) for spec in grad_specs]
-        impl = functools.partial(_backward_impl, platform, params, opts)
+        impl = _local_call(_backward_impl, platform, params, opts, mesh, plan)
         if plan.seq is not None:
             impl = functools.partial(_ring_backward, platform, params, opts, plan.seq)
 
@@ -225,6 +231,30 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
     to_sharding = functools.partial(NamedSharding, mesh)
     return (mesh, lower, tuple(map(to_sharding, result_specs)),
             tuple(map(to_sharding, arg_specs)))
+
+
+def _local_call(impl, platform, params, opts, mesh, plan: _Plan):
+    """`impl` (``_forward_impl`` or ``_backward_impl``) on one shard's operands. A per-kv-head
+    window table (``params.window_sizes``) is cut to the shard's kv heads where they are
+    sharded: one call where every shard's cut is the same, else a ``lax.switch`` over the
+    shard's index with a call per distinct cut (the table is a static attribute)."""
+    table = params.window_sizes
+    if table is None or plan.kv_heads is None:
+        return functools.partial(impl, platform, params, opts)
+    size = len(table) // _shard_count(mesh, plan.kv_heads)
+    cuts = [table[s:s + size] for s in range(0, len(table), size)]
+    distinct = list(dict.fromkeys(cuts))
+    branches = [functools.partial(impl, platform, dataclasses.replace(params, window_sizes=cut),
+                                  opts) for cut in distinct]
+    if len(branches) == 1:
+        return branches[0]
+    which = np.asarray([distinct.index(cut) for cut in cuts], np.int32)
+
+    def call(*operands):
+        shard = jax.lax.axis_index(_axes_tuple(plan.kv_heads))
+        return jax.lax.switch(jnp.asarray(which)[shard], branches, *operands)
+
+    return call
 
 
 def _ring_forward(platform, params, opts, axis_name, q, k, v, *extras):
