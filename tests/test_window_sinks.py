@@ -1,0 +1,473 @@
+"""Per-kv-head windows with attention sinks (``window_sizes``, issue 27): rows ``(sink, left,
+right)`` per kv head; query ``i`` of kv head ``g`` sees key ``j`` only where ``j < sink[g]`` or
+``i + off - left[g] <= j <= i + off + right[g]`` (a negative bound unbounded; ``off = Lk - Lq``
+for flash_dmattn, 0 for dot_product_attention), and-ed with every other rule (causality hides
+sink keys of the future too).
+
+The oracle is the float64 ``xla`` implementation run on the equivalent dense bool mask (built
+here with numpy, independently of the library's window code). The CPU kernels read the table
+as an attribute; on a GPU such calls run the reference (the CUDA kernels do not take it yet),
+except a table that is one window without sink, which is the plain window everywhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
+
+# ---- inputs and the oracle --------------------------------------------------------------------
+
+
+def window_mask(table, seqlen_q: int, seqlen_k: int, offset: int) -> np.ndarray:
+    """bool ``[Hk, Lq, Lk]`` of the rows ``(sink, left, right)`` of `table`, the diagonal of
+    query ``i`` at key ``i + offset``."""
+    table = np.asarray(table, np.int64).reshape(-1, 3)[:, :, None, None]
+    sink, left, right = table[:, 0], table[:, 1], table[:, 2]
+    i = np.arange(seqlen_q)[:, None] + offset
+    j = np.arange(seqlen_k)[None, :]
+    band = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
+    return (j < sink) | band
+
+
+def qkv(rng, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype=np.float32):
+    q = rng.standard_normal((batch, seqlen_q, heads, head_dim))
+    k = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
+    v = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def outputs_and_grads(fn, q, k, v, bias):
+    """out, lse and the gradients of a loss using both (q, k, v and bias when given)."""
+
+    def loss(q, k, v, bias):
+        out, lse = fn(q, k, v, bias)
+        weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+        return (jnp.sum(out.astype(jnp.float32) * weights)
+                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.3)), (out, lse)
+
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+    grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+    return out, lse, grads
+
+
+def to64(x):
+    return None if x is None else jnp.asarray(x, jnp.float64)
+
+
+def assert_close(actual, expected, dtype, what):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(actual), finite, err_msg=what)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    scale = max(1.0, np.abs(expected[finite]).max(initial=0.0))
+    np.testing.assert_allclose(actual[finite], expected[finite], atol=tol * scale, rtol=tol,
+                               err_msg=what)
+
+
+def random_key_ranges(rng, shape, seqlen_q):
+    """int32 key ranges ``(start, end)`` of `shape` ``[..., Lk]`` with values in [0, Lq]."""
+    a, b = rng.integers(0, seqlen_q + 1, (2, *shape))
+    return np.minimum(a, b).astype(np.int32), np.maximum(a, b).astype(np.int32)
+
+
+# ---- conformance against the float64 reference ------------------------------------------------
+
+# Tables per kv head: different sinks (0 included), unbounded sides, a sink past Lk.
+TABLES = {
+    "mixed2": [[4, 40, 0], [0, 15, 30]],
+    "unbounded2": [[70, -1, 10], [3, 25, -1]],
+    "sink-past-lk": [[1000, 8, 8]],
+    "mixed4": [[0, 64, 0], [16, 20, 20], [1, -1, 0], [130, 0, 0]],
+    "shared-sink2": [[64, 100, 0], [64, 100, 0]],
+}
+
+CASES = [
+    # front end, batch, Lq, Lk, H, Hk, D, table, causal, other mask, bias, dtype
+    ("flash", 2, 130, 200, 4, 2, 32, "mixed2", False, None, None, jnp.float32),
+    ("flash", 2, 130, 200, 4, 2, 64, "unbounded2", True, "dense", "full", jnp.float32),
+    ("flash", 1, 200, 130, 4, 1, 32, "sink-past-lk", True, None, "keys", jnp.float32),
+    ("flash", 2, 96, 257, 8, 4, 64, "mixed4", False, "keys", "full", jnp.float32),
+    ("flash", 1, 300, 300, 4, 2, 128, "shared-sink2", True, "dense", None, jnp.float32),
+    ("flash", 1, 150, 190, 4, 2, 64, "mixed2", True, None, "full", jnp.bfloat16),
+    ("dpa", 2, 140, 170, 4, 2, 32, "unbounded2", False, "dense", "keys", jnp.float32),
+    ("dpa", 2, 170, 140, 8, 4, 64, "mixed4", True, "keys", "full", jnp.float32),
+]
+
+
+def _case_id(case):
+    return "-".join(str(x) for x in case[:11]) + "-" + jnp.dtype(case[11]).name
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """Outputs, lse and gradients (dbias included) of the CPU kernels against the float64
+    reference on the dense mask: per-head tables (sinks 0 to past Lk, unbounded sides), with
+    causality, a dense mask or key ranges, full and per-key biases, GQA, Lq != Lk, bf16, and
+    (dot_product_attention) sequence lengths, which hide sink keys past them too."""
+    front, batch, lq, lk, heads, kv_heads, d, name, causal, other, bias_kind, dtype = case
+    rng = np.random.default_rng(abs(hash(_case_id(case))) % 2**32)
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
+    table = TABLES[name]
+    table = np.broadcast_to(np.asarray(table), (kv_heads, 3))
+    offset = lk - lq if front == "flash" else 0
+    dense = np.broadcast_to(window_mask(table, lq, lk, offset)[None], (batch, kv_heads, lq, lk))
+    mask = None
+    if other == "dense":
+        extra = rng.random((batch, 1, lq, lk)) < 0.7
+        mask, dense = jnp.asarray(extra), dense & extra
+    elif other == "keys":
+        start, end = random_key_ranges(rng, (1, heads, lk), lq)
+        mask = masks.KeyRanges(start, end)
+        rows = np.arange(lq)[:, None]
+        in_range = (start[:, :, None, :] <= rows) & (rows < end[:, :, None, :])  # [1, H, Lq, Lk]
+        dense = np.repeat(dense, heads // kv_heads, axis=1) & in_range
+    bias = None
+    if bias_kind == "full":
+        bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), dtype)
+    elif bias_kind == "keys":
+        bias = jnp.asarray(rng.standard_normal((1, kv_heads, 1, lk)), dtype)
+
+    if front == "flash":
+        def run(implementation, mask, window_sizes):
+            def fn(q, k, v, bias):
+                return flash_dmattn(q, k, v, mask, bias, is_causal=causal, return_lse=True,
+                                    window_sizes=window_sizes, implementation=implementation)
+            return fn
+    else:
+        lens = dict(query_seq_lengths=jnp.asarray([lq, lq - 37][:batch], jnp.int32),
+                    key_value_seq_lengths=jnp.asarray([lk - 20, lk][:batch], jnp.int32))
+
+        def run(implementation, mask, window_sizes):
+            def fn(q, k, v, bias):
+                out, res = dot_product_attention(
+                    q, k, v, bias, mask, is_causal=causal, window_sizes=window_sizes,
+                    implementation=implementation, return_residual=True, **lens)
+                return out, jnp.swapaxes(res, -1, -2)
+            return fn
+
+    out, lse, grads = outputs_and_grads(run("cpu", mask, table), q, k, v, bias)
+    ref_out, ref_lse, ref_grads = outputs_and_grads(
+        run("xla", jnp.asarray(dense), None), to64(q), to64(k), to64(v), to64(bias))
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, jnp.float32, "lse")
+    names = "q k v bias".split()[:len(grads)]
+    for gname, g, ref in zip(names, grads, ref_grads, strict=True):
+        assert g.dtype == dtype, gname
+        assert_close(g, ref, dtype, f"d{gname}")
+
+
+def test_library_reference_matches_the_dense_mask():
+    """The ``xla`` implementation's own expansion of the table equals the dense mask built here
+    (both front ends, causal and not)."""
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng, 1, 90, 120, 4, 2, 16)
+    q, k, v = to64(q), to64(k), to64(v)
+    table = TABLES["unbounded2"]
+    for causal in (False, True):
+        got = flash_dmattn(q, k, v, is_causal=causal, window_sizes=table, implementation="xla")
+        want = flash_dmattn(q, k, v, jnp.asarray(window_mask(table, 90, 120, 30)[None]),
+                            is_causal=causal, implementation="xla")
+        np.testing.assert_array_equal(got, want)
+        got = dot_product_attention(q, k, v, is_causal=causal, window_sizes=table,
+                                    implementation="xla")
+        want = dot_product_attention(q, k, v, mask=jnp.asarray(window_mask(table, 90, 120, 0)),
+                                     is_causal=causal, implementation="xla")
+        np.testing.assert_array_equal(got, want)
+
+
+def test_equals_dense_mask_with_every_rule():
+    """A table gives what the equivalent dense bool mask gives through the same CPU kernels,
+    with causality, sequence lengths, segment ids and a bias (dot_product_attention)."""
+    rng = np.random.default_rng(7)
+    batch, lq, lk, heads, kv_heads, d = 2, 140, 170, 4, 2, 64
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d)
+    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
+    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
+    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
+    table = [[20, 30, 5], [5, -1, 40]]
+    kw = dict(is_causal=True, query_seq_lengths=jnp.array([140, 90], jnp.int32),
+              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
+              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
+
+    def with_table(q, k, v, bias):
+        return dot_product_attention(q, k, v, bias, window_sizes=table, **kw)
+
+    def with_mask(q, k, v, bias):
+        return dot_product_attention(q, k, v, bias, jnp.asarray(window_mask(table, lq, lk, 0)),
+                                     **kw)
+
+    out, lse, grads = outputs_and_grads(with_table, q, k, v, bias)
+    ref_out, ref_lse, ref_grads = outputs_and_grads(with_mask, q, k, v, bias)
+    np.testing.assert_allclose(out, ref_out, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-6)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_tiles_outside_every_window_and_sink_are_skipped(with_mask):
+    """Keys 64..127 lie inside the keys that query rows 192..255 span (from the sinks to their
+    bands) but outside every head's sink and band there: NaN values in them reach neither the
+    output nor dq of those rows (a processed tile would give 0 · NaN). The control, one sink
+    reaching into them, does read them for its heads only."""
+    rng = np.random.default_rng(11)
+    lq = lk = 256
+    q, k, v = qkv(rng, 1, lq, lk, 4, 2, 32)
+    v = v.at[:, 64:128].set(jnp.nan)
+    mask = jnp.asarray(rng.random((1, 1, lq, lk)) < 0.9) if with_mask else None
+
+    def run(table):
+        def loss(q):
+            out = flash_dmattn(q, k, v, mask, window_sizes=table, implementation="cpu")
+            return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0)), out
+        dq, out = jax.grad(loss, has_aux=True)(q)
+        return np.asarray(out[:, 192:]), np.asarray(dq[:, 192:])
+
+    for x in run([[16, 10, 20], [64, 0, 40]]):
+        assert np.isfinite(x).all()
+    for x in run([[16, 10, 20], [70, 0, 40]]):
+        assert np.isfinite(x[:, :, :2]).all()
+        assert not np.isfinite(x[:, :, 2:]).any()
+
+
+# ---- a table that is one window without sink -------------------------------------------------
+
+
+def _lowered(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shared_window_without_sink_is_the_plain_window(causal):
+    """``window_sizes=(0, left, right)`` (as one row or repeated per kv head) is exactly
+    ``local_window_size=(left, right)``: the same lowered program (the same custom call
+    attributes, no table) and bitwise equal results, gradients included."""
+    rng = np.random.default_rng(9)
+    q, k, v = qkv(rng, 2, 100, 100, 4, 2, 32)
+
+    def loss(window, q, k, v):
+        return jnp.sum(jnp.sin(dot_product_attention(q, k, v, is_causal=causal,
+                                                     implementation="cpu", **window)))
+
+    plain = dict(local_window_size=(30, 7))
+    want = _lowered(jax.value_and_grad(lambda *a: loss(plain, *a), (0, 1, 2)), q, k, v)
+    assert "window_sizes = dense<> : tensor<0xi64>" in want  # the attribute is there, empty
+    for table in [(0, 30, 7), [[0, 30, 7], [0, 30, 7]], np.array([0, 30, 7], np.int8)]:
+        window = dict(window_sizes=table)
+        fn = jax.value_and_grad(lambda *a, w=window: loss(w, *a), (0, 1, 2))
+        assert _lowered(fn, q, k, v) == want
+        got = fn(q, k, v)
+        ref = jax.value_and_grad(lambda *a: loss(plain, *a), (0, 1, 2))(q, k, v)
+        for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(g, r)
+
+
+def test_ffi_attributes(monkeypatch):
+    """A per-head table reaches both FFI calls as the int64 attribute ``window_sizes`` (Hk rows
+    flattened) with the shared bounds of causality alone; a shared window without sink reaches
+    them as ``window_left`` / ``window_right`` with an empty table; rows bounded on neither side
+    carry no sink."""
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
+
+    def attrs_of(**kw):
+        calls.clear()
+        loss = lambda q, k, v: jnp.sum(flash_dmattn(q, k, v, implementation="cpu", **kw))  # noqa: E731
+        jax.jit(jax.grad(loss)).lower(q, k, v)
+        assert {t for t, _ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+        forward, backward = (a for _, a in calls)
+        np.testing.assert_array_equal(forward["window_sizes"], backward["window_sizes"])
+        return forward
+
+    a = attrs_of(window_sizes=[[3, 5, -7], [9, -1, -1]], is_causal=True)
+    np.testing.assert_array_equal(a["window_sizes"], [3, 5, -1, 0, -1, -1])
+    assert a["window_sizes"].dtype == np.int64
+    assert (a["window_left"], a["window_right"], a["diagonal_offset"]) == (-1, 0, 8)
+    a = attrs_of(window_sizes=(0, 5, 2))
+    assert a["window_sizes"].shape == (0,)
+    assert (a["window_left"], a["window_right"], a["diagonal_offset"]) == (5, 2, 8)
+    a = attrs_of(window_sizes=(0, 5, 2), is_causal=True)
+    assert (a["window_left"], a["window_right"]) == (5, 0)
+    a = attrs_of(window_sizes=(4, -1, -2))  # bounded nowhere: no window at all
+    assert a["window_sizes"].shape == (0,)
+    assert (a["window_left"], a["window_right"], a["diagonal_offset"]) == (-1, -1, 0)
+
+
+# ---- transformations -----------------------------------------------------------------------------
+
+
+def test_jit_vmap_and_grad():
+    """Under jit and vmap (the table is static: nothing to map) the kernels agree with
+    per-example calls, gradients included."""
+    rng = np.random.default_rng(5)
+    n, lq, lk = 3, 70, 90
+    q, k, v = qkv(rng, n, lq, lk, 4, 2, 32)
+    q, k, v = q[:, None], k[:, None], v[:, None]  # n examples of batch 1
+    table = [[8, 12, 0], [0, -1, 3]]
+
+    def one(q, k, v):
+        return flash_dmattn(q, k, v, is_causal=True, window_sizes=table, implementation="cpu")
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(one(q, k, v)))
+
+    for axes in [(0, 0, 0), (0, None, None)]:
+        args = [x if a is not None else x[0] for x, a in zip((q, k, v), axes, strict=True)]
+        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
+        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
+        for e in range(n):
+            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
+            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
+            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
+                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+
+
+@pytest.mark.parametrize("table", [
+    [[8, 12, 0], [0, -1, 3], [30, 5, 5], [2, 40, -1]],  # a cut per shard: a switch over shards
+    [[8, 12, 0], [0, -1, 3], [8, 12, 0], [0, -1, 3]],  # every shard's cut the same: one call
+])
+@pytest.mark.parametrize("seq", [False, True])
+def test_sharded_over_batch_and_heads(table, seq):
+    """Sharded over batch and kv heads (each shard runs its own heads' rows of the table), and
+    with the query sequence sharded too (never a ring: the sink names absolute positions), a
+    table gives the single-device answer, gradients included."""
+    devices = np.array(jax.devices()[:8]).reshape(2, 2, 2)
+    mesh = Mesh(devices, ("b", "h", "s"))
+    rng = np.random.default_rng(8)
+    # Lq == Lk with causality: without the table, the sharded sequence would run as a ring.
+    q, k, v = qkv(rng, 2, 96, 96, 8, 4, 32)
+    bias = jnp.asarray(rng.standard_normal((1, 8, 1, 96)), jnp.float32)
+
+    def loss(q, k, v, bias):
+        out = flash_dmattn(q, k, v, None, bias, is_causal=True, window_sizes=table,
+                           implementation="cpu")
+        return jnp.sum(jnp.sin(out)), out
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    want_grads, want = fn(q, k, v, bias)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    s = "s" if seq else None
+    got_grads, got = fn(put(q, P("b", s, "h")), put(k, P("b", s, "h")), put(v, P("b", s, "h")),
+                        put(bias, P(None, "h")))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    # dbias is summed over the batch shards by a psum: float32 sums in another order, so its
+    # error is relative to its size (values up to ~50).
+    for g, ref in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6, rtol=1e-6)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window_sizes, error, match", [
+    ([[1, 2, 3]] * 3, ValueError, r"shape \(3, 3\) is not accepted; expected .*\[2, 3\]"),
+    ([1, 2], ValueError, r"shape \(2,\)"),
+    ([[[1, 2, 3]]] * 2, ValueError, "shape"),
+    ([[-1, 2, 3], [0, 1, 1]], ValueError, "sinks must be >= 0"),
+    ([1.0, 2.0, 3.0], TypeError, "dtype float"),
+    ([True, False, True], TypeError, "dtype bool"),
+    ("abc", TypeError, "window_sizes must be"),
+])
+def test_bad_window_sizes(window_sizes, error, match):
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 2, 40, 50, 4, 2, 16)
+    with pytest.raises(error, match=match):
+        flash_dmattn(q, k, v, window_sizes=window_sizes, implementation="cpu")
+    with pytest.raises(error, match=match):
+        dot_product_attention(q, k, v, window_sizes=window_sizes, implementation="cpu")
+
+
+def test_traced_table_and_local_window_size_refused():
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 1, 20, 20, 2, 1, 16)
+    with pytest.raises(TypeError, match="traced array"):
+        jax.jit(lambda w: flash_dmattn(q, k, v, window_sizes=w, implementation="cpu"))(
+            jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        dot_product_attention(q, k, v, local_window_size=(3, 3), window_sizes=(1, 3, 3),
+                              implementation="cpu")
+
+
+# ---- the GPU: the reference, with a warning ---------------------------------------------------
+
+_BUILD = {"cuda": True, "cuda_head_dims": [16, 128], "cuda_dtypes": "bf16,fp16",
+          "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
+
+
+def test_cuda_refuses_per_head_windows(monkeypatch):
+    """On a GPU with kernels for the call, a per-head table still goes to the reference: None
+    warns once naming the reason, implementation="cuda" raises."""
+    from jax_dmattn import ops
+    from jax_dmattn.params import AttentionParams
+
+    monkeypatch.setattr(_ffi, "build_info", lambda: _BUILD)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    table = ((4, 10, 0), (0, 3, 0))
+    params = AttentionParams(scale=0.1, window_sizes=table)
+    assert ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_left=10), jnp.bfloat16, 128)
+    with pytest.warns(RuntimeWarning, match="per-kv-head windows or sinks"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
+    with pytest.raises(ValueError, match="per-kv-head windows or sinks"):
+        ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_sizes=table,
+                                                implementation="cuda"), jnp.bfloat16, 128)
+    assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128)
+
+
+def test_cuda_lowering(monkeypatch):
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a per-head
+    table makes no FFI call (None warns and lowers the reference, "cuda" raises); a shared window
+    without sink calls the CUDA kernels, with no table."""
+    from jax_dmattn import ops
+
+    calls = []
+
+    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
+        calls.append((target, attrs))
+        return [jnp.zeros(shape, dtype) for shape, dtype in results]
+
+    monkeypatch.setattr(_ffi, "_call", fake_call)
+    monkeypatch.setattr(_ffi, "build_info", lambda: _BUILD)
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
+
+    def lower(implementation, table):
+        def loss(q, k, v):
+            out = flash_dmattn(q, k, v, is_causal=True, window_sizes=table,
+                               implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32))
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",))
+
+    with pytest.warns(RuntimeWarning, match="per-kv-head windows or sinks"):
+        lower(None, [[4, 10, 0], [0, 3, 0]])
+    assert calls == []
+    with pytest.raises(ValueError, match="per-kv-head windows or sinks"):
+        lower("cuda", (1, 10, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lower("cuda", [[0, 10, 3], [0, 10, 3]])
+    assert {t for t, _ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    for _, attrs in calls:
+        assert attrs["window_sizes"].shape == (0,)
+        assert (attrs["window_left"], attrs["window_right"]) == (10, 0)
