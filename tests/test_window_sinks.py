@@ -274,7 +274,8 @@ def test_ffi_attributes(monkeypatch):
     """A per-head table reaches both FFI calls as the int64 attribute ``window_sizes`` (Hk rows
     flattened) with the shared bounds of causality alone; a shared window without sink reaches
     them as ``window_left`` / ``window_right`` with an empty table; rows bounded on neither side
-    carry no sink."""
+    carry no sink. build_info reports the table."""
+    assert _ffi.build_info()["window_sizes"] is True
     calls = []
 
     def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
