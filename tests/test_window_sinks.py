@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fake_cuda_build, record_ffi_calls
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -276,13 +277,7 @@ def test_ffi_attributes(monkeypatch):
     them as ``window_left`` / ``window_right`` with an empty table; rows bounded on neither side
     carry no sink. build_info reports the table."""
     assert _ffi.build_info()["window_sizes"] is True
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append((target, attrs))
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    monkeypatch.setattr(_ffi, "_call", fake_call)
+    calls = record_ffi_calls(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16)
 
@@ -290,8 +285,8 @@ def test_ffi_attributes(monkeypatch):
         calls.clear()
         loss = lambda q, k, v: jnp.sum(flash_dmattn(q, k, v, implementation="cpu", **kw))  # noqa: E731
         jax.jit(jax.grad(loss)).lower(q, k, v)
-        assert {t for t, _ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
-        forward, backward = (a for _, a in calls)
+        assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+        forward, backward = (a for *_, a in calls)
         np.testing.assert_array_equal(forward["window_sizes"], backward["window_sizes"])
         return forward
 
@@ -406,19 +401,13 @@ def test_traced_table_and_local_window_size_refused():
 
 # ---- the GPU: the reference, with a warning ---------------------------------------------------
 
-_BUILD = {"cuda": True, "cuda_head_dims": [16, 128], "cuda_dtypes": "bf16,fp16",
-          "cuda_archs": "90a", "xla_ffi_api": [0, 3]}
-
-
 def test_cuda_refuses_per_head_windows(monkeypatch):
     """On a GPU with kernels for the call, a per-head table still goes to the reference: None
     warns once naming the reason, implementation="cuda" raises."""
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    monkeypatch.setattr(_ffi, "build_info", lambda: _BUILD)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    fake_cuda_build(monkeypatch, [16, 128])
     table = ((4, 10, 0), (0, 3, 0))
     params = AttentionParams(scale=0.1, window_sizes=table)
     assert ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_left=10), jnp.bfloat16, 128)
@@ -437,18 +426,9 @@ def test_cuda_lowering(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a per-head
     table makes no FFI call (None warns and lowers the reference, "cuda" raises); a shared window
     without sink calls the CUDA kernels, with no table."""
-    from jax_dmattn import ops
 
-    calls = []
-
-    def fake_call(target, operands, results, num_batch, attrs, extra_workspaces=None):
-        calls.append((target, attrs))
-        return [jnp.zeros(shape, dtype) for shape, dtype in results]
-
-    monkeypatch.setattr(_ffi, "_call", fake_call)
-    monkeypatch.setattr(_ffi, "build_info", lambda: _BUILD)
-    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
-    monkeypatch.setattr(ops, "_warned_fallbacks", set())
+    calls = record_ffi_calls(monkeypatch)
+    fake_cuda_build(monkeypatch, [16, 128])
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
 
@@ -468,7 +448,7 @@ def test_cuda_lowering(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lower("cuda", [[0, 10, 3], [0, 10, 3]])
-    assert {t for t, _ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
-    for _, attrs in calls:
+    assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    for *_, attrs in calls:
         assert attrs["window_sizes"].shape == (0,)
         assert (attrs["window_left"], attrs["window_right"]) == (10, 0)
