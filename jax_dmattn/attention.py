@@ -105,7 +105,7 @@ def flash_dmattn(
     dims = validation.dims_of(q, k)
     q_segments, kv_segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, dims)
     m = _mask_operands(_members(mask), dims)
-    window = _window(validation.check_window_sizes(window_sizes, dims.kv_heads), -1,
+    window = _window(validation.check_window_sizes(window_sizes, dims), -1,
                      0 if is_causal else -1)
     aligned = is_causal or window != (-1, -1, None)
     params = AttentionParams(
@@ -313,10 +313,10 @@ def dot_product_attention(
     if window_sizes is not None and local_window_size is not None:
         raise ValueError("window_sizes and local_window_size cannot be combined: pass the "
                          "window as window_sizes=(0, left, right), or per kv head [K, 3]")
-    left, right = validation.check_window(local_window_size)
+    left, right = validation.check_window(local_window_size, dims)
     if is_causal:
         right = 0
-    window = _window(validation.check_window_sizes(window_sizes, dims.kv_heads), left, right)
+    window = _window(validation.check_window_sizes(window_sizes, dims), left, right)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         window_left=window.left,

@@ -42,6 +42,22 @@ def as_array(x, name: str) -> jax.Array:
         raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
+def concrete_ints(x) -> np.ndarray | None:
+    """The values of a concrete integer array as given (int64, or uint64 beyond its range),
+    read before JAX converts it: without x64, ``jnp.asarray`` wraps int64 values into int32,
+    which could turn an out-of-range entry into a valid one. None for a traced array."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    values = np.asarray(x)
+    return values if values.dtype == np.uint64 else values.astype(np.int64)
+
+
+def _bound(value: int, limit: int) -> int:
+    """A window bound (< 0: unbounded) with those reaching `limit` (no key is that far from the
+    diagonal) unbounded too, so that no kernel adds an int64 near its limit to a position."""
+    return -1 if value < 0 or value >= limit else value
+
+
 def check_implementation(implementation: str | None) -> None:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -190,8 +206,8 @@ def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: s
     expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {length}] "
                 f"([B|1, H|Hk|1, {length_name}], or [{', '.join(four_d)}])")
     arrays = []
-    for x, name in ((start, f"{kind}.start"), (end, f"{kind}.end")):
-        x = as_array(x, name)
+    for raw, name in ((start, f"{kind}.start"), (end, f"{kind}.end")):
+        x = as_array(raw, name)
         if x.ndim == 4 and x.shape[unit_axis] == 1:
             x = jnp.squeeze(x, unit_axis)
         if (x.ndim != 3 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
@@ -201,8 +217,8 @@ def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: s
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array of shape {expected}, got dtype "
                             f"{x.dtype.name}")
-        if not isinstance(x, jax.core.Tracer):
-            values = np.asarray(x)
+        values = concrete_ints(raw)
+        if values is not None:
             if values.size and (values.min() < 0 or values.max() > bound):
                 raise ValueError(
                     f"{name} values must lie in [0, {bound_name}] = [0, {bound}] ({bound_what}), "
@@ -233,7 +249,9 @@ def check_block_indices(indices, block_q, block_k,
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
         sizes.append(int(value))
-    block_q, block_k = sizes
+    # A block longer than its sequence is the whole sequence: the same mask, and no block size
+    # past int32 reaches the kernels or the reference's index arithmetic.
+    block_q, block_k = min(sizes[0], max(dims.seqlen_q, 1)), min(sizes[1], max(dims.seqlen_k, 1))
     num_q_blocks, num_key_blocks = -(-dims.seqlen_q // block_q), -(-dims.seqlen_k // block_k)
     heads = sorted({1, dims.kv_heads, dims.heads})
     expected = (f"[{dims.batch}|1, {'|'.join(map(str, reversed(heads)))}, {num_q_blocks}, K] "
@@ -247,8 +265,8 @@ def check_block_indices(indices, block_q, block_k,
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"BlockIndices.indices must be an integer array of shape {expected}, got "
                         f"dtype {x.dtype.name}")
-    if not isinstance(x, jax.core.Tracer):
-        values = np.asarray(x).astype(np.int64)
+    values = concrete_ints(indices)
+    if values is not None:
         bad = (values < -1) | (values >= num_key_blocks)
         if bad.any():
             raise ValueError(
@@ -258,6 +276,8 @@ def check_block_indices(indices, block_q, block_k,
                 f"outside it")
     if x.shape[3] == 0:
         x = jnp.full((*x.shape[:3], 1), -1, jnp.int32)
+    if jnp.iinfo(x.dtype).bits < 32:  # compared in its own dtype, a block number would wrap
+        x = x.astype(jnp.int32)
     # Selected after the cast: a listed block number fits int32, anything else becomes -1.
     listed = (x >= 0) & (x < num_key_blocks)
     return jnp.where(listed, x.astype(jnp.int32), -1), block_q, block_k
@@ -295,8 +315,8 @@ def check_segment_ids(q_segment_ids, kv_segment_ids,
     return tuple(jnp.broadcast_to(x, (batch, x.shape[1])) for x in ids)
 
 
-def check_window(local_window_size) -> tuple[int, int]:
-    """``(left, right)``, -1 for unbounded."""
+def check_window(local_window_size, dims: Dims) -> tuple[int, int]:
+    """``(left, right)``, -1 for unbounded (also a bound no key is that far from)."""
     if local_window_size is None:
         return -1, -1
     if isinstance(local_window_size, int | np.integer):
@@ -308,19 +328,22 @@ def check_window(local_window_size) -> tuple[int, int]:
             f"local_window_size must be an int or (left, right), got {local_window_size!r}") from e
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
-    return left, right
+    limit = dims.seqlen_q + dims.seqlen_k
+    return _bound(left, limit), _bound(right, limit)
 
 
-def check_window_sizes(window_sizes, num_kv_heads: int) -> tuple[tuple[int, int, int], ...] | None:
-    """Per-kv-head windows with sinks as ``num_kv_heads`` rows ``(sink, left, right)``, or None.
+def check_window_sizes(window_sizes, dims: Dims) -> tuple[tuple[int, int, int], ...] | None:
+    """Per-kv-head windows with sinks as ``Hk`` rows ``(sink, left, right)``, or None.
 
     `window_sizes`: None, or concrete integers of shape ``[3]`` (one window for every kv head) or
     ``[Hk, 3]``: ``sink >= 0`` keys always visible (subject to the other rules), ``left`` /
-    ``right`` keys either side of the aligned diagonal, < 0 for unbounded (returned as -1). A row
-    bounded on neither side gets sink 0, since its band holds every key anyway.
+    ``right`` keys either side of the aligned diagonal, < 0 for unbounded (returned as -1, as is
+    a bound no key is that far from; a sink past Lk is Lk). A row bounded on neither side gets
+    sink 0, since its band holds every key anyway.
     """
     if window_sizes is None:
         return None
+    num_kv_heads = dims.kv_heads
     accepted = (f"concrete integers of shape [3] or [{num_kv_heads}, 3] ([Hk, 3]): rows "
                 "(sink >= 0, left, right), a negative left or right for unbounded")
     if isinstance(window_sizes, jax.core.Tracer):
@@ -339,7 +362,8 @@ def check_window_sizes(window_sizes, num_kv_heads: int) -> tuple[tuple[int, int,
     if (table[:, 0] < 0).any():
         raise ValueError(f"window_sizes sinks must be >= 0, got {table[:, 0].tolist()}")
     rows = []
+    limit = dims.seqlen_q + dims.seqlen_k
     for sink, left, right in table.tolist():
-        left, right = max(left, -1), max(right, -1)
-        rows.append((sink if left >= 0 or right >= 0 else 0, left, right))
+        left, right = _bound(left, limit), _bound(right, limit)
+        rows.append((min(sink, dims.seqlen_k) if left >= 0 or right >= 0 else 0, left, right))
     return tuple(rows)

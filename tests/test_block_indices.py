@@ -401,3 +401,46 @@ def test_cuda_lowering_runs_the_reference(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match="do not read block indices"):
         lower("cuda")
+
+
+# ---- integer edges (review): narrow dtypes, wide concrete values, huge block sizes -------------
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+def test_narrow_index_dtypes_name_every_block(dtype, implementation):
+    """int8 / uint8 indices with more key blocks than their dtype holds: the range check must
+    not compare in that dtype (300 blocks wrapped to 44 there and block 100 was dropped)."""
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, 1, 8, 300, 2, 2, 16)
+    entries = np.broadcast_to(np.array([0, 5, 100, 7], dtype), (1, 2, 8, 4))
+    got = flash_dmattn(q, k, v, masks.BlockIndices(entries, 1, 1), implementation=implementation)
+    want = flash_dmattn(q, k, v, masks.BlockIndices(entries.astype(np.int32), 1, 1),
+                 implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_concrete_entries_are_checked_before_any_int32_cast():
+    """Without x64, jnp.asarray wraps int64 2**32 + 1 to block 1: the check reads the values
+    as given and rejects it."""
+    rng = np.random.default_rng(22)
+    with jax.enable_x64(False):
+        q, k, v = qkv(rng, 1, 16, 16, 1, 1, 16)
+        entries = np.full((1, 1, 2, 2), -1, np.int64)
+        entries[..., 0] = 2**32 + 1
+        with pytest.raises(ValueError, match="key block numbers"):
+            flash_dmattn(q, k, v, masks.BlockIndices(entries, 8, 8), implementation="cpu")
+
+
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+def test_blocks_longer_than_the_sequences(implementation):
+    """Block sizes past int32 (and past the lengths) mean one block of the whole sequence."""
+    rng = np.random.default_rng(23)
+    q, k, v = qkv(rng, 1, 10, 12, 2, 1, 16)
+    listed = masks.BlockIndices(np.zeros((1, 1, 1, 1), np.int32), 2**31, 2**40)
+    unlisted = masks.BlockIndices(np.full((1, 1, 1, 1), -1, np.int32), 2**31, 2**40)
+    def attend(mask):
+        return np.asarray(flash_dmattn(q, k, v, mask, implementation=implementation))
+
+    np.testing.assert_allclose(attend(listed), attend(None), atol=1e-6)
+    assert not attend(unlisted).any()

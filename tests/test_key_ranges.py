@@ -305,3 +305,17 @@ def test_cuda_refuses_key_ranges(monkeypatch):
         ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
                         128, has_key_ranges=True)
     assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, has_key_ranges=True)
+
+
+def test_concrete_values_are_checked_before_any_int32_cast():
+    """Without x64, jnp.asarray wraps an int64 end of 2**32 + 1 to 1: the check reads the
+    values as given (review) and rejects it, for key and row ranges alike."""
+    rng = np.random.default_rng(41)
+    with jax.enable_x64(False):
+        q = jnp.asarray(rng.standard_normal((1, 16, 1, 16)), jnp.float32)
+        k = v = jnp.asarray(rng.standard_normal((1, 16, 1, 16)), jnp.float32)
+        start = np.zeros((1, 1, 16), np.int64)
+        end = np.full((1, 1, 16), 2**32 + 1, np.int64)
+        for form in (masks.KeyRanges, masks.RowRanges):
+            with pytest.raises(ValueError, match="must lie in"):
+                flash_dmattn(q, k, v, form(start, end), implementation="cpu")

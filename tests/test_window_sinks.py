@@ -452,3 +452,40 @@ def test_cuda_lowering(monkeypatch):
     for *_, attrs in calls:
         assert attrs["window_sizes"].shape == (0,)
         assert (attrs["window_left"], attrs["window_right"]) == (10, 0)
+
+
+# ---- bounds no key is that far from (review) --------------------------------------------------
+
+_HUGE = np.iinfo(np.int64).max
+
+
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+@pytest.mark.parametrize("table, seq", [
+    ([[2, 3, _HUGE], [1, 5, _HUGE]], (40, 40)),  # sinks: the per-head table
+    ([[2, _HUGE, 1], [1, _HUGE, 3]], (50, 20)),  # Lq > Lk: a negative diagonal
+    ([[0, 3, _HUGE], [0, 3, _HUGE]], (40, 40)),  # no sink: the shared window
+    ([[_HUGE, 2, 0], [7, 1, 2]], (30, 45)),      # a sink past Lk
+], ids=["sinks", "lq_gt_lk", "shared", "sink_past_lk"])
+def test_bounds_past_every_key(table, seq, implementation):
+    """A bound as far as int64 goes is an unbounded side and a sink past Lk is Lk: added to a
+    position, such a bound wrapped (the kernels' output was wrong or zero, xla overflowed)."""
+    seqlen_q, seqlen_k = seq
+    rng = np.random.default_rng(31)
+    q, k, v = qkv(rng, 1, seqlen_q, seqlen_k, 4, 2, 16)
+    tame = [[min(s, seqlen_k), -1 if lo == _HUGE else lo, -1 if hi == _HUGE else hi]
+            for s, lo, hi in table]
+    visible = np.repeat(window_mask(tame, seqlen_q, seqlen_k, seqlen_k - seqlen_q), 2, axis=0)
+    want = flash_dmattn(to64(q), to64(k), to64(v), jnp.asarray(visible[None]),
+                        implementation="xla")
+    got = flash_dmattn(q, k, v, window_sizes=np.array(table, np.int64),
+                       implementation=implementation)
+    assert_close(got, want, jnp.float32, f"{implementation} {table}")
+
+
+def test_local_window_past_every_key():
+    """dot_product_attention's local_window_size as far as int64 goes: the whole sequence."""
+    rng = np.random.default_rng(32)
+    q, k, v = qkv(rng, 1, 30, 40, 2, 1, 16)
+    got = dot_product_attention(q, k, v, local_window_size=(_HUGE, _HUGE), implementation="cpu")
+    want = dot_product_attention(q, k, v, implementation="cpu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
