@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
+from form_checks import assert_close, flash, outputs_and_grads, qkv, to64
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_row_ranges import assert_close, flash, outputs_and_grads, qkv, to64
 from test_segments import array_sizes
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks

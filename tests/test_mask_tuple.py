@@ -22,9 +22,9 @@ import test_block_indices as blocks
 import test_key_ranges as key_ranges
 import test_row_ranges as row_ranges
 from conftest import fake_cuda_build, record_ffi_calls
+from form_checks import assert_close, outputs_and_grads, qkv, to64
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_row_ranges import assert_close, outputs_and_grads, qkv, to64
 from test_segments import array_sizes
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
+from form_checks import assert_close, outputs_and_grads, qkv, to64
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,41 +37,6 @@ def window_mask(table, seqlen_q: int, seqlen_k: int, offset: int) -> np.ndarray:
     j = np.arange(seqlen_k)[None, :]
     band = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
     return (j < sink) | band
-
-
-def qkv(rng, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype=np.float32):
-    q = rng.standard_normal((batch, seqlen_q, heads, head_dim))
-    k = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
-    v = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def outputs_and_grads(fn, q, k, v, bias):
-    """out, lse and the gradients of a loss using both (q, k, v and bias when given)."""
-
-    def loss(q, k, v, bias):
-        out, lse = fn(q, k, v, bias)
-        weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
-        return (jnp.sum(out.astype(jnp.float32) * weights)
-                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.3)), (out, lse)
-
-    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
-    return out, lse, grads
-
-
-def to64(x):
-    return None if x is None else jnp.asarray(x, jnp.float64)
-
-
-def assert_close(actual, expected, dtype, what):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(actual), finite, err_msg=what)
-    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
-    scale = max(1.0, np.abs(expected[finite]).max(initial=0.0))
-    np.testing.assert_allclose(actual[finite], expected[finite], atol=tol * scale, rtol=tol,
-                               err_msg=what)
 
 
 def random_key_ranges(rng, shape, seqlen_q):
