@@ -98,6 +98,14 @@ __device__ __forceinline__ void skip_operands(const FwdParamsSm90& P, const FwdB
 template <typename Tr>
 inline constexpr bool kWarpgroupKeys = Tr::kConsumers == 3;
 
+// The chains of the softmax's reductions (online_softmax). A consumer warp runs its softmax
+// nearly alone on its scheduler (the other warpgroup waits on its GEMMs) and waits out the
+// latency of each step of a serial chain: four chains, the two rows side by side, took 1.0-1.5 %
+// off the dense D = 128 forwards (H200, L4k and L16k, causal or not), none off D = 64; they
+// cost D = 256 1 % and the kernels with a mask or bias 0.7-1.3 %, which keep one chain a row.
+template <typename Tr>
+inline constexpr int kSoftmaxChains = !Tr::kOperands && Tr::D <= 128 ? 4 : 1;
+
 // A key block this warpgroup's rows cannot see: its turn taken and its ring slots released as
 // consume_tile's would be, with no GEMM (the tensor cores are left to the other warpgroups).
 template <typename Tr>
@@ -167,7 +175,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   detail::fence_operands(s);
   th.release(bar.k_empty(ring.slot));
   finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
-  online_softmax<false>(s, st, corr, p.softmax_mul);
+  online_softmax<false, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul);
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
@@ -187,7 +195,8 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
     // settle, most blocks skip the rescale. The others hide it under the GEMMs, and its test
     // costs them 1-2 % (H200).
-    const bool grew = online_softmax<Tr::kOperands>(s, st, corr, p.softmax_mul);
+    const bool grew =
+        online_softmax<Tr::kOperands, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul);
 
     detail::wgmma_wait<0>();  // P V
     detail::fence_operands(o);
@@ -198,6 +207,8 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     ring.advance();
   }
 
+  // Every S GEMM of the tile is done: the next tile's Q may load while the last P V runs.
+  if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
   mbar_wait(bar.v_full(pv.slot), pv.parity);
   take_turn<kC>(th.wg);
   issue_output<Tr, T>(o, pf, v_at(pv.slot));
@@ -210,7 +221,6 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
       pass_block<Tr>(P, flags, bar, ring, operands, th);
     }
   }
-  if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
   return true;
 }
 

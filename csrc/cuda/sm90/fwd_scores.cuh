@@ -276,37 +276,81 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
 // s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before.
 // kTrackGrowth: corr is exactly 1 for a row whose maximum held, and the result says whether the
 // warp has a row whose maximum grew (the only rows whose O needs the factor); without, true.
-template <bool kTrackGrowth, int N>
+// kChains: the independent chains each row's maximum and sum are reduced in; with more than
+// one, the thread's two rows also go through each step side by side (kSoftmaxChains).
+template <bool kTrackGrowth, int kChains, int N>
 __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
                                                float mul) {
-  bool grew = false;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = st.m[half];
+  static_assert((N / 4) % kChains == 0, "whole chains of column pairs");
+  // This thread's maximum of row half `half`, with the running maximum.
+  auto thread_max = [&](int half) {
+    float part[kChains];
 #pragma unroll
     for (int t = 0; t < N / 4; ++t) {
-      mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+      const float pair = fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]);
+      part[t % kChains] = t < kChains ? pair : fmaxf(part[t % kChains], pair);
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_scaled = mx == -INFINITY ? 0.f : mx * mul;
-    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled);
+    float mx = st.m[half];
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) mx = fmaxf(mx, part[c]);
+    return mx;
+  };
+  // The row's maximum over its four threads.
+  auto quad_max = [](float mx, int lanes) {
+    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
+  };
+  bool grew = false;
+  float m_scaled[2];
+  auto take_max = [&](int half, float mx) {
+    m_scaled[half] = mx == -INFINITY ? 0.f : mx * mul;
+    corr[half] = detail::fast_exp2(st.m[half] * mul - m_scaled[half]);
     if constexpr (kTrackGrowth) {
       grew = grew || mx != st.m[half];
       if (mx == st.m[half]) corr[half] = 1.f;
     }
     st.m[half] = mx;
-    float sum = 0.f;
+  };
+  // Element i of column pair tile t (row half i / 2) to its probability, summed into `sums`.
+  auto to_probability = [&](int t, int i, float (&sums)[kChains]) {
+    float& x = s[4 * t + i];
+    x = detail::fast_exp2(x * mul - m_scaled[i / 2]);
+    sums[(2 * t + i % 2) % kChains] += x;
+  };
+  auto take_sum = [&](int half, const float (&sums)[kChains]) {
+    float sum = sums[0];
+#pragma unroll
+    for (int c = 1; c < kChains; ++c) sum += sums[c];
+    st.l[half] = st.l[half] * corr[half] + sum;
+  };
+  if constexpr (kChains == 1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      take_max(half, quad_max(quad_max(thread_max(half), 1), 2));
+      float sums[1] = {0.f};
+#pragma unroll
+      for (int t = 0; t < N / 4; ++t) {
+        to_probability(t, 2 * half, sums);
+        to_probability(t, 2 * half + 1, sums);
+      }
+      take_sum(half, sums);
+    }
+  } else {
+    float mx[2] = {thread_max(0), thread_max(1)};
+#pragma unroll
+    for (int lanes = 1; lanes <= 2; lanes *= 2) {
+      mx[0] = quad_max(mx[0], lanes);
+      mx[1] = quad_max(mx[1], lanes);
+    }
+    take_max(0, mx[0]);
+    take_max(1, mx[1]);
+    float sums[2][kChains] = {};
 #pragma unroll
     for (int t = 0; t < N / 4; ++t) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * t + 2 * half + e];
-        x = detail::fast_exp2(x * mul - m_scaled);
-        sum += x;
-      }
+      for (int i = 0; i < 4; ++i) to_probability(t, i, sums[i / 2]);
     }
-    st.l[half] = st.l[half] * corr[half] + sum;
+    take_sum(0, sums[0]);
+    take_sum(1, sums[1]);
   }
   return kTrackGrowth ? __any_sync(0xffffffffu, grew) : true;
 }
