@@ -103,6 +103,29 @@ def test_sharded_jit(mesh, layout):
         assert_close(name, g, r, TOL)
 
 
+# q's heads over mesh axes whose size does not divide the kv heads: the 4-way "model" axis with
+# Hk = 2, and both axes (8-way) with Hk = 4. Shardy used to give k / v's heads part of an axis,
+# which custom partitioning cannot take (IndivisibleError under grad); the call now runs with
+# the heads replicated inside it.
+@pytest.mark.parametrize("q_spec,hk", [(HEADS, 2), (P(None, None, ("data", "model"), None), 4)],
+                         ids=["model-axis-hk2", "both-axes-hk4"])
+def test_heads_sharded_past_the_kv_heads(mesh, q_spec, hk):
+    x = _inputs(5, hk, (1, 1, LQ, LK), (1, H, 1, LK))
+    specs = dict(q=q_spec, k=BATCH, v=BATCH, mask=P(), bias=P(), w=q_spec,
+                 wl=P(q_spec[0], q_spec[2], None))
+    sharded = {n: _shard(mesh, x[n], specs[n]) for n in x}
+    order = ("q", "k", "v", "mask", "bias")
+    g_order = ("q", "k", "v", "bias", "mask", "w", "wl")
+    out, lse = jax.jit(_attention)(*(sharded[n] for n in order))
+    ref_out, ref_lse = jax.jit(_attention)(*(jnp.asarray(x[n]) for n in order))
+    assert_close("out", out, ref_out, TOL)
+    assert_close("lse", lse, ref_lse, TOL)
+    grads = jax.jit(_grad)(*(sharded[n] for n in g_order))
+    ref_grads = jax.jit(_grad)(*(jnp.asarray(x[n]) for n in g_order))
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
+        assert_close(name, g, r, TOL)
+
+
 def test_dynamic_attention_sharded_over_batch(mesh):
     """dynamic_attention's gradients under jit with batch-sharded inputs: equal to the unsharded
     ones, and no floating array is gathered (the key gathers' gradient sum stays per shard; only

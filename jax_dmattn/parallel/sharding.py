@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import string
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -279,6 +281,19 @@ def _gradient_spec(spec: PartitionSpec, q_spec: PartitionSpec, full_dims: int) -
 # ---- Shardy rule ----------------------------------------------------------------------------
 
 
+def _kv_heads_follow(mesh, layout: _Layout) -> bool:
+    """Whether every set of mesh axes whose size divides the query heads also divides the kv
+    heads. Where one does not, Shardy would give the kv heads part of an axis (a sub-axis
+    sharding, which custom partitioning cannot take: IndivisibleError)."""
+    sizes = list(mesh.shape.values())
+    for count in range(1, len(sizes) + 1):
+        for axes in itertools.combinations(sizes, count):
+            n = math.prod(axes)
+            if layout.heads % n == 0 and layout.kv_heads % n:
+                return False
+    return True
+
+
 def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, result_types):
     from jax._src.lib.mlir import ir
 
@@ -289,9 +304,12 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # Mask/bias key columns get a factor of their own (kc): always replicated, while lk (k/v's
     # sequence) may be sharded for the ring.
     lq, lk, d, kc = next(names), next(names), next(names), next(names)
-    # Shardy rejects size-1 factors inside a compound dim, so MQA names the query heads alone.
+    # q's heads are the compound (kv head, group) factor, so that a head sharding propagates
+    # between q and k / v, only where every set of mesh axes that can shard q's heads also
+    # shards the kv heads evenly; else they are factors of their own. Shardy rejects size-1
+    # factors inside a compound dim, so MQA names the query heads alone.
     group = layout.heads // layout.kv_heads
-    if layout.kv_heads == 1:
+    if layout.kv_heads == 1 or (group > 1 and not _kv_heads_follow(mesh, layout)):
         heads, hk, factor_sizes = next(names), next(names), {}
     elif group == 1:
         heads = hk = next(names)
