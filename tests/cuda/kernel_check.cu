@@ -904,6 +904,11 @@ std::vector<Case> AllCases() {
     c.D = 64; c.causal = true; c.dlse = true; add(c);
   }
   {
+    Case c; c.name = "dense_gqa_d256_q300_k1000"; c.H = 4; c.Hk = 2; c.Lq = 300; c.Lk = 1000;
+    c.D = 256; add(c);
+    c.name = "causal_d256_q333_k400"; c.Lq = 333; c.Lk = 400; c.causal = true; add(c);
+  }
+  {
     Case c; c.name = "softcap_d128_mask_bias_q200_k260"; c.H = 2; c.Hk = 1; c.Lq = 200;
     c.Lk = 260; c.D = 128; c.softcap = 5.f; c.qk_std = 1.5f; c.mask = Op({1}, 2, true, true);
     c.mask_holes = true; c.bias = Op({1}, 2, true, true); add(c);

@@ -19,7 +19,9 @@ int TuningVariants(bool backward, int head_dim) {
 template <>
 cudaError_t RunForwardVariant<64, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
   if (v != 1) return cudaErrorNotSupported;
-  if (!sm90::Takes(p)) return RunForwardTiles<FwdConfig<64>::Traits, BF16>(p, stream);
+  if (!sm90::Takes(p) || p.q_segments != nullptr) {  // segment ids: kernels of their own
+    return RunForwardTiles<FwdConfig<64>::Traits, BF16>(p, stream);
+  }
   if (p.mask == nullptr && p.bias == nullptr) {
     return sm90::RunForward<sm90::FwdTraits<64, 128, 2>, BF16>(p, stream);
   }
@@ -44,7 +46,9 @@ cudaError_t RunHopperForward128(const FwdParams& p, cudaStream_t stream) {
 template <>
 cudaError_t RunForwardVariant<128, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
   if (v < 1 || v > 3) return cudaErrorNotSupported;
-  if (!sm90::Takes(p)) return RunForwardTiles<FwdConfig<128>::Traits, BF16>(p, stream);
+  if (!sm90::Takes(p) || p.q_segments != nullptr) {
+    return RunForwardTiles<FwdConfig<128>::Traits, BF16>(p, stream);
+  }
   if (v == 1) return RunHopperForward128<40, 232>(p, stream);
   if (v == 2) return RunHopperForward128<32, 232>(p, stream);
   return RunHopperForward128<56, 224>(p, stream);
