@@ -221,3 +221,26 @@ def test_pmap(mesh):
         assert_close(f"lse[{i}]", lse[i], ref_lse, TOL)
         for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
             assert_close(f"{name}[{i}]", g[i], r, TOL)
+
+
+# The compound (kv head, group) factor needs no sub-axis where every order of mesh axes that can
+# shard q's heads fills the kv heads exactly before it moves on to the group (2 x 2 x 2 with
+# Hk = 4: 2, then 2 x 2 = 4 = Hk, then the group). Such meshes keep the compound factor, so
+# k / v replicated over the heads follow q's head sharding and the gradients gather nothing (the
+# check on every product of axis sizes, 8 not dividing Hk = 4 here, gave the heads factors of
+# their own, and dk / dv were all-gathered).
+@pytest.mark.parametrize("hk", [2, 4])
+def test_heads_follow_where_every_axis_order_fits(hk):
+    mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "model", "extra"))
+    x = _inputs(7, hk, (1, 1, LQ, LK), (1, H, 1, LK))
+    specs = dict(q=HEADS, k=BATCH, v=BATCH, mask=P(), bias=P(), w=HEADS,
+                 wl=P("data", "model", None))
+    sharded = {n: _shard(mesh3, x[n], specs[n]) for n in x}
+    g_order = ("q", "k", "v", "bias", "mask", "w", "wl")
+    grad = jax.jit(_grad)
+    grad_text = grad.lower(*(sharded[n] for n in g_order)).compile().as_text()
+    assert "all-gather" not in grad_text
+    grads = grad(*(sharded[n] for n in g_order))
+    ref_grads = jax.jit(_grad)(*(jnp.asarray(x[n]) for n in g_order))
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
+        assert_close(name, g, r, TOL)
