@@ -282,15 +282,24 @@ def _gradient_spec(spec: PartitionSpec, q_spec: PartitionSpec, full_dims: int) -
 
 
 def _kv_heads_follow(mesh, layout: _Layout) -> bool:
-    """Whether every set of mesh axes whose size divides the query heads also divides the kv
-    heads. Where one does not, Shardy would give the kv heads part of an axis (a sub-axis
-    sharding, which custom partitioning cannot take: IndivisibleError)."""
+    """Whether Shardy can put any head sharding of q on the compound (kv head, group) factor
+    with whole mesh axes. It gives the axes of q's heads, major to minor, to the kv heads until
+    they hold Hk, then to the group; an axis that would overfill the kv heads (Hk not a multiple
+    of the product so far) is split into sub-axes, which custom partitioning cannot take
+    (IndivisibleError). The rule does not see q's sharding, so every order of mesh axes whose
+    product divides the query heads must fit."""
     sizes = list(mesh.shape.values())
     for count in range(1, len(sizes) + 1):
-        for axes in itertools.combinations(sizes, count):
-            n = math.prod(axes)
-            if layout.heads % n == 0 and layout.kv_heads % n:
-                return False
+        for axes in itertools.permutations(sizes, count):
+            if layout.heads % math.prod(axes):
+                continue
+            done = 1
+            for n in axes:
+                if done == layout.kv_heads:
+                    break
+                if layout.kv_heads % (done * n):
+                    return False
+                done *= n
     return True
 
 
