@@ -194,6 +194,18 @@ def check_row_ranges(start, end, dims: Dims) -> tuple[jax.Array, jax.Array]:
     return start[..., None], end[..., None]
 
 
+def _check_int_array(x, name: str, batch: int, heads, tail: tuple, expected: str) -> None:
+    """`x` is an integer array ``[batch|1, one of heads, *tail]`` (a None in `tail`: any size);
+    else a ValueError (shape) or TypeError (dtype) naming `name` and the `expected` shape."""
+    if (x.ndim != 2 + len(tail) or x.shape[0] not in (1, batch) or x.shape[1] not in heads
+            or any(t is not None and n != t for n, t in zip(x.shape[2:], tail, strict=True))):
+        raise ValueError(f"{name} shape {x.shape} is not accepted; expected an integer array "
+                         f"of shape {expected}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array of shape {expected}, got dtype "
+                        f"{x.dtype.name}")
+
+
 def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: str, bound: int,
                   bound_name: str, bound_what: str,
                   unit_axis: int) -> tuple[jax.Array, jax.Array]:
@@ -210,13 +222,7 @@ def _check_ranges(start, end, dims: Dims, kind: str, length: int, length_name: s
         x = as_array(raw, name)
         if x.ndim == 4 and x.shape[unit_axis] == 1:
             x = jnp.squeeze(x, unit_axis)
-        if (x.ndim != 3 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
-                or x.shape[2] != length):
-            raise ValueError(f"{name} shape {x.shape} is not accepted; expected an integer array "
-                             f"of shape {expected}")
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array of shape {expected}, got dtype "
-                            f"{x.dtype.name}")
+        _check_int_array(x, name, dims.batch, heads, (length,), expected)
         values = concrete_ints(raw)
         if values is not None:
             if values.size and (values.min() < 0 or values.max() > bound):
@@ -258,13 +264,7 @@ def check_block_indices(indices, block_q, block_k,
                 f"([B|1, H|Hk|1, ceil(Lq / block_q), K] with Lq = {dims.seqlen_q}, block_q = "
                 f"{block_q})")
     x = as_array(indices, "BlockIndices.indices")
-    if (x.ndim != 4 or x.shape[0] not in (1, dims.batch) or x.shape[1] not in heads
-            or x.shape[2] != num_q_blocks):
-        raise ValueError(f"BlockIndices.indices shape {x.shape} is not accepted; expected an "
-                         f"integer array of shape {expected}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"BlockIndices.indices must be an integer array of shape {expected}, got "
-                        f"dtype {x.dtype.name}")
+    _check_int_array(x, "BlockIndices.indices", dims.batch, heads, (num_q_blocks, None), expected)
     values = concrete_ints(indices)
     if values is not None:
         bad = (values < -1) | (values >= num_key_blocks)
