@@ -9,14 +9,23 @@ directly; on a GPU they run the reference (the CUDA kernels do not read them yet
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
-from form_checks import assert_close, flash, outputs_and_grads, qkv, to64
+from form_checks import (
+    assert_cuda_refuses,
+    assert_equals_dense_with_every_rule,
+    assert_results_close,
+    assert_vmap_matches_each,
+    causal_step_texts,
+    flash,
+    lower_for_cuda,
+    outputs_and_grads,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_segments import array_sizes
@@ -96,12 +105,7 @@ def test_matches_float64_reference(case):
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         flash("xla", is_causal=causal), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     assert not np.isfinite(np.asarray(ref_lse)).all(), "the case should have empty rows"
-    assert_close(out, ref_out, dtype, "out")
-    assert_close(lse, ref_lse, jnp.float32, "lse")
-    names = "q k v bias".split()[:len(grads)]
-    for name, g, ref in zip(names, grads, ref_grads, strict=True):
-        assert g.dtype == dtype, name
-        assert_close(g, ref, dtype, f"d{name}")
+    assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
 
 
 def test_reference_matches_float64_dense_mask():
@@ -128,23 +132,8 @@ def test_equals_dense_mask_with_every_rule():
     bq, bk = 20, 30
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d)
     indices = random_indices(rng, (batch, kv_heads), lq, lk, bq, bk, 4)
-    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
-    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
-    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
-    kw = dict(local_window_size=(50, 10), query_seq_lengths=jnp.array([140, 90], jnp.int32),
-              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
-              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
-
-    def fn(q, k, v, mask, bias):
-        return dot_product_attention(q, k, v, bias, mask, **kw)
-
-    out, lse, grads = outputs_and_grads(fn, q, k, v, bias, masks.BlockIndices(indices, bq, bk))
-    dense = jnp.asarray(dense_mask(indices, lq, lk, bq, bk))
-    ref_out, ref_lse, ref_grads = outputs_and_grads(fn, q, k, v, bias, dense)
-    np.testing.assert_allclose(out, ref_out, atol=1e-6)
-    np.testing.assert_allclose(lse, ref_lse, atol=1e-6)
-    for g, ref in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, ref, atol=1e-6)
+    assert_equals_dense_with_every_rule(rng, q, k, v, masks.BlockIndices(indices, bq, bk),
+                                        dense_mask(indices, lq, lk, bq, bk))
 
 
 def test_to_mask_and_unbatched_inputs():
@@ -199,19 +188,8 @@ def test_jit_vmap_and_grad():
         return flash_dmattn(q, k, v, masks.BlockIndices(indices, bq, bk), is_causal=True,
                             implementation="cpu")
 
-    def loss(q, k, v, indices):
-        return jnp.sum(jnp.sin(one(q, k, v, indices)))
-
-    for axes in [(0, 0, 0, 0), (0, 0, 0, None), (0, None, None, 0)]:
-        args = [x if a is not None else x[0] for x, a in zip((q, k, v, indices), axes,
-                                                             strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    axes = [(0, 0, 0, 0), (0, 0, 0, None), (0, None, None, 0)]
+    assert_vmap_matches_each(one, (q, k, v, indices), axes, n)
 
 
 def test_block_indices_pytree_through_jit_and_vmap():
@@ -293,20 +271,12 @@ def test_training_step_has_no_lq_by_lk_array():
     q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
     indices = jnp.asarray(random_indices(rng, (2, 2), seqlen, seqlen, bq, bk, 4))
 
-    def texts(mask):
-        def loss(q, k, v, mask):
-            out = flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
-            return jnp.sum(out ** 2)
-
-        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask)
-        return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
-
-    for form, text in texts(masks.BlockIndices(indices, bq, bk)).items():
+    for form, text in causal_step_texts(q, k, v, masks.BlockIndices(indices, bq, bk)).items():
         sizes = array_sizes(text)
         assert sizes, form
         assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
     dense = masks.BlockIndices(indices, bq, bk).to_mask(seqlen, seqlen)
-    for form, text in texts(dense).items():
+    for form, text in causal_step_texts(q, k, v, dense).items():
         assert max(array_sizes(text))[0] >= seqlen * seqlen, form
 
 
@@ -368,15 +338,7 @@ def test_cuda_refuses_block_indices(monkeypatch):
     fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1, block_q=16, block_k=16)
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    with pytest.warns(RuntimeWarning, match="do not read block indices"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_block_indices=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_block_indices=True)
-    with pytest.raises(ValueError, match="do not read block indices"):
-        ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
-                        128, has_block_indices=True)
-    assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, has_block_indices=True)
+    assert_cuda_refuses(params, "do not read block indices", has_block_indices=True)
 
 
 def test_cuda_lowering_runs_the_reference(monkeypatch):
@@ -390,11 +352,7 @@ def test_cuda_lowering_runs_the_reference(monkeypatch):
     blocks = masks.BlockIndices(random_indices(rng, (2, 2), 24, 32, 8, 8, 2), 8, 8)
 
     def lower(implementation):
-        def loss(q, k, v):
-            out = flash_dmattn(q, k, v, blocks, implementation=implementation)
-            return jnp.sum(out.astype(jnp.float32))
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
-            lowering_platforms=("cuda",))
+        lower_for_cuda(q, k, v, blocks, implementation=implementation)
 
     with pytest.warns(RuntimeWarning, match="do not read block indices"):
         lower(None)

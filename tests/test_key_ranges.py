@@ -8,18 +8,25 @@ directly; on a GPU they run the reference (the CUDA kernels do not read them yet
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build
-from form_checks import assert_close, flash, outputs_and_grads, qkv, to64
+from form_checks import (
+    assert_cuda_refuses,
+    assert_equals_dense_with_every_rule,
+    assert_results_close,
+    assert_vmap_matches_each,
+    flash,
+    outputs_and_grads,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dmattn import dot_product_attention, flash_dmattn, masks
+from jax_dmattn import flash_dmattn, masks
 
 # ---- inputs and the oracle --------------------------------------------------------------------
 
@@ -82,12 +89,7 @@ def test_matches_float64_reference(case):
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         flash("xla", is_causal=causal), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     assert not np.isfinite(np.asarray(ref_lse)).all(), "the case should have empty rows"
-    assert_close(out, ref_out, dtype, "out")
-    assert_close(lse, ref_lse, jnp.float32, "lse")
-    names = "q k v bias".split()[:len(grads)]
-    for name, g, ref in zip(names, grads, ref_grads, strict=True):
-        assert g.dtype == dtype, name
-        assert_close(g, ref, dtype, f"d{name}")
+    assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
 
 
 def test_equals_dense_mask_with_every_rule():
@@ -97,23 +99,8 @@ def test_equals_dense_mask_with_every_rule():
     batch, lq, lk, heads, kv_heads, d = 2, 140, 170, 4, 2, 64
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d)
     start, end = random_ranges(rng, (batch, kv_heads, lk), lq)
-    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
-    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
-    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
-    kw = dict(local_window_size=(50, 10), query_seq_lengths=jnp.array([140, 90], jnp.int32),
-              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
-              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
-
-    def fn(q, k, v, mask, bias):
-        return dot_product_attention(q, k, v, bias, mask, **kw)
-
-    out, lse, grads = outputs_and_grads(fn, q, k, v, bias, masks.KeyRanges(start, end))
-    dense = jnp.asarray(dense_mask(start, end, lq))
-    ref_out, ref_lse, ref_grads = outputs_and_grads(fn, q, k, v, bias, dense)
-    np.testing.assert_allclose(out, ref_out, atol=1e-6)
-    np.testing.assert_allclose(lse, ref_lse, atol=1e-6)
-    for g, ref in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, ref, atol=1e-6)
+    assert_equals_dense_with_every_rule(rng, q, k, v, masks.KeyRanges(start, end),
+                                        dense_mask(start, end, lq))
 
 
 def test_topk_key_ranges_form_and_to_mask():
@@ -160,20 +147,8 @@ def test_jit_vmap_and_grad():
         return flash_dmattn(q, k, v, masks.KeyRanges(start, end), is_causal=True,
                             implementation="cpu")
 
-    def loss(q, k, v, start, end):
-        return jnp.sum(jnp.sin(one(q, k, v, start, end)))
-
-    for axes in [(0, 0, 0, 0, 0), (0, 0, 0, None, None), (0, 0, 0, 0, None),
-                 (0, None, None, None, 0)]:
-        args = [x if a is not None else x[0] for x, a in zip((q, k, v, start, end), axes,
-                                                             strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    axes = [(0, 0, 0, 0, 0), (0, 0, 0, None, None), (0, 0, 0, 0, None), (0, None, None, None, 0)]
+    assert_vmap_matches_each(one, (q, k, v, start, end), axes, n)
 
 
 def test_key_ranges_pytree_through_vmap():
@@ -255,15 +230,7 @@ def test_cuda_refuses_key_ranges(monkeypatch):
     fake_cuda_build(monkeypatch, [128])
     params = AttentionParams(scale=0.1)
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    with pytest.warns(RuntimeWarning, match="do not read key ranges"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_key_ranges=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, has_key_ranges=True)
-    with pytest.raises(ValueError, match="do not read key ranges"):
-        ops.uses_kernel("cuda", AttentionParams(scale=0.1, implementation="cuda"), jnp.bfloat16,
-                        128, has_key_ranges=True)
-    assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, has_key_ranges=True)
+    assert_cuda_refuses(params, "do not read key ranges", has_key_ranges=True)
 
 
 def test_concrete_values_are_checked_before_any_int32_cast():

@@ -22,7 +22,16 @@ import test_block_indices as blocks
 import test_key_ranges as key_ranges
 import test_row_ranges as row_ranges
 from conftest import fake_cuda_build, record_ffi_calls
-from form_checks import assert_close, outputs_and_grads, qkv, to64
+from form_checks import (
+    assert_equals_dense_with_every_rule,
+    assert_results_close,
+    assert_vmap_matches_each,
+    causal_step_texts,
+    lower_for_cuda,
+    outputs_and_grads,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_segments import array_sizes
@@ -128,12 +137,7 @@ def test_matches_float64_reference(case):
         front(kind, "xla"), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     finite = np.isfinite(np.asarray(ref_lse))
     assert finite.any() and not finite.all(), "the case should have rows with and without keys"
-    assert_close(out, ref_out, dtype, "out")
-    assert_close(lse, ref_lse, jnp.float32, "lse")
-    names = "q k v bias".split()[:len(grads)]
-    for name, g, ref in zip(names, grads, ref_grads, strict=True):
-        assert g.dtype == dtype, name
-        assert_close(g, ref, dtype, f"d{name}")
+    assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
 
 
 def test_reference_ands_every_member():
@@ -174,20 +178,7 @@ def test_equals_dense_and_with_every_rule():
     batch, lq, lk, heads, kv_heads = 2, 140, 170, 4, 2
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, 64)
     members, dense = random_members(rng, KINDS, batch, lq, lk, heads, kv_heads)
-    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.float32)
-    q_seg = np.repeat(np.arange(4), 35)[None].repeat(batch, 0)
-    kv_seg = np.sort(rng.integers(0, 4, (batch, lk)), axis=1)
-    kw = dict(local_window_size=(50, 10), query_seq_lengths=jnp.array([140, 90], jnp.int32),
-              key_value_seq_lengths=jnp.array([170, 120], jnp.int32), q_segment_ids=q_seg,
-              kv_segment_ids=kv_seg, implementation="cpu", return_residual=True)
-
-    def fn(q, k, v, mask, bias):
-        return dot_product_attention(q, k, v, bias, mask, **kw)
-
-    got = outputs_and_grads(fn, q, k, v, bias, members)
-    want = outputs_and_grads(fn, q, k, v, bias, jnp.asarray(dense))
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, atol=1e-6)
+    assert_equals_dense_with_every_rule(rng, q, k, v, members, dense)
 
 
 def test_dot_product_attention_3d():
@@ -275,20 +266,10 @@ def test_jit_vmap_and_grad():
                 masks.BlockIndices(indices, bq, bk))
         return flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
 
-    def loss(*args):
-        return jnp.sum(jnp.sin(one(*args)))
-
     operands = (q, k, v, dense, ks, ke, rs, re_, indices)
-    for axes in [(0,) * 9, (0, 0, 0, 0, None, None, 0, 0, 0), (0, 0, 0, None, 0, 0, 0, None, None),
-                 (0, None, None, 0, None, 0, None, None, 0)]:
-        args = [x if a is not None else x[0] for x, a in zip(operands, axes, strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    axes = [(0,) * 9, (0, 0, 0, 0, None, None, 0, 0, 0), (0, 0, 0, None, 0, 0, 0, None, None),
+            (0, None, None, 0, None, 0, None, None, 0)]
+    assert_vmap_matches_each(one, operands, axes, n)
 
 
 def test_tuple_pytree_through_jit_and_vmap():
@@ -375,19 +356,11 @@ def test_training_step_has_no_lq_by_lk_array():
     q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
     members, dense = random_members(rng, KINDS[1:], 2, seqlen, seqlen, 4, 2, (64, 128, 4))
 
-    def texts(mask):
-        def loss(q, k, v, mask):
-            out = flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu")
-            return jnp.sum(out ** 2)
-
-        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask)
-        return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
-
-    for form, text in texts(members).items():
+    for form, text in causal_step_texts(q, k, v, members).items():
         sizes = array_sizes(text)
         assert sizes, form
         assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
-    for form, text in texts(jnp.asarray(dense)).items():
+    for form, text in causal_step_texts(q, k, v, jnp.asarray(dense)).items():
         assert max(array_sizes(text))[0] >= seqlen * seqlen, form
 
 
@@ -498,11 +471,7 @@ def test_cuda_lowering(monkeypatch):
     dense, keys, rows, block = random_members(rng, KINDS, 2, 24, 32, 4, 2, (8, 16, 2))[0]
 
     def lower(mask, implementation):
-        def loss(q, k, v):
-            out = flash_dmattn(q, k, v, mask, implementation=implementation)
-            return jnp.sum(out.astype(jnp.float32))
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
-            lowering_platforms=("cuda",))
+        lower_for_cuda(q, k, v, mask, implementation=implementation)
 
     for mask, reason in (((dense, keys), "key ranges"), ((rows, dense, block), "row ranges"),
                          ((dense, keys, rows, block), "key ranges")):

@@ -19,7 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
-from form_checks import assert_close, outputs_and_grads, qkv, to64
+from form_checks import (
+    assert_close,
+    assert_cuda_refuses,
+    assert_results_close,
+    assert_vmap_matches_each,
+    lower_for_cuda,
+    outputs_and_grads,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -123,12 +132,7 @@ def test_matches_float64_reference(case):
     out, lse, grads = outputs_and_grads(run("cpu", mask, table), q, k, v, bias)
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         run("xla", jnp.asarray(dense), None), to64(q), to64(k), to64(v), to64(bias))
-    assert_close(out, ref_out, dtype, "out")
-    assert_close(lse, ref_lse, jnp.float32, "lse")
-    names = "q k v bias".split()[:len(grads)]
-    for gname, g, ref in zip(names, grads, ref_grads, strict=True):
-        assert g.dtype == dtype, gname
-        assert_close(g, ref, dtype, f"d{gname}")
+    assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
 
 
 def test_library_reference_matches_the_dense_mask():
@@ -285,18 +289,7 @@ def test_jit_vmap_and_grad():
     def one(q, k, v):
         return flash_dmattn(q, k, v, is_causal=True, window_sizes=table, implementation="cpu")
 
-    def loss(q, k, v):
-        return jnp.sum(jnp.sin(one(q, k, v)))
-
-    for axes in [(0, 0, 0), (0, None, None)]:
-        args = [x if a is not None else x[0] for x, a in zip((q, k, v), axes, strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, jax.grad(loss, argnums=(0, 1, 2))(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    assert_vmap_matches_each(one, (q, k, v), [(0, 0, 0), (0, None, None)], n)
 
 
 @pytest.mark.parametrize("table", [
@@ -377,15 +370,7 @@ def test_cuda_refuses_per_head_windows(monkeypatch):
     table = ((4, 10, 0), (0, 3, 0))
     params = AttentionParams(scale=0.1, window_sizes=table)
     assert ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_left=10), jnp.bfloat16, 128)
-    with pytest.warns(RuntimeWarning, match="per-kv-head windows or sinks"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    with pytest.raises(ValueError, match="per-kv-head windows or sinks"):
-        ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_sizes=table,
-                                                implementation="cuda"), jnp.bfloat16, 128)
-    assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128)
+    assert_cuda_refuses(params, "per-kv-head windows or sinks")
 
 
 def test_cuda_lowering(monkeypatch):
@@ -399,12 +384,7 @@ def test_cuda_lowering(monkeypatch):
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
 
     def lower(implementation, table):
-        def loss(q, k, v):
-            out = flash_dmattn(q, k, v, is_causal=True, window_sizes=table,
-                               implementation=implementation)
-            return jnp.sum(out.astype(jnp.float32))
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
-            lowering_platforms=("cuda",))
+        lower_for_cuda(q, k, v, is_causal=True, window_sizes=table, implementation=implementation)
 
     with pytest.warns(RuntimeWarning, match="per-kv-head windows or sinks"):
         lower(None, [[4, 10, 0], [0, 3, 0]])
