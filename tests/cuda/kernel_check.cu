@@ -879,6 +879,13 @@ std::vector<Case> AllCases() {
     c.bias = Op({2}, 1, false, true); c.softcap = 15.f; add(c);
   }
   {
+    // a full bias and mask with softcap: the mask applies after the softcap, on the consumers
+    // (not written into the bias tile by the mask warps)
+    Case c; c.name = "hopper_mask_bias_softcap_d128_q200_k384"; c.H = 2; c.Hk = 2; c.Lq = 200;
+    c.Lk = 384; c.D = 128; c.mask = Op({1}, 2, true, true); c.mask_density = 0.5f;
+    c.bias = Op({1}, 2, true, true); c.softcap = 8.f; c.qk_std = 1.5f; add(c);
+  }
+  {
     Case c; c.name = "fp16_hopper_rowmask_bias_d128_seqlens"; c.bf16 = false; c.batch = {2};
     c.H = 8; c.Hk = 2; c.Lq = 200; c.Lk = 384; c.D = 128; c.mask = Op({2}, 1, false, true);
     c.bias = Op({1}, 8, true, true); c.seqlens = true; c.q_lens = {200, 150};

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if defined(DMATTN_WGMMA)
   extern __shared__ __align__(1024) uint8_t smem[];
   const FwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
-  const TileQueue<Tr::kTileSlots> queue{reinterpret_cast<int64_t*>(smem + Tr::kOffTileSlots),
+  const TileQueue<Tr::kTileSlots> queue{reinterpret_cast<QueuedTile*>(smem + Tr::kOffTileSlots),
                                         bar.tile_full(), bar.tile_empty()};
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   uint32_t q_parity = 0;
   float o[Tr::D / 2];
   RowState st;
-  for (int64_t t = queue.pop(queued, th.lane); t < P.order.tiles; t = queue.pop(queued, th.lane)) {
-    const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+  for (QueuedTile tile = queue.pop(queued, th.lane); tile.t < P.order.tiles;
+       tile = queue.pop(queued, th.lane)) {
+    const TileWork& w = tile.work;
     KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);

@@ -132,9 +132,12 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
   RingPos<Tr::kTileSlots> queued;
   uint32_t q_parity = 0;
   for (int64_t t = blockIdx.x;;) {
-    if (leader) queue.push(queued, t);
-    if (t >= P.order.tiles) break;
+    if (t >= P.order.tiles) {
+      if (leader) queue.push(queued, {t, {}});
+      break;
+    }
     const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+    if (leader) queue.push(queued, {t, w});
     KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
@@ -161,8 +164,9 @@ __device__ __forceinline__ void produce_operands(const FwdParamsSm90& P, uint8_t
   }
   OperandRings<Tr> rings;
   RingPos<Tr::kTileSlots> queued;
-  for (int64_t t = queue.pop(queued, lane); t < P.order.tiles; t = queue.pop(queued, lane)) {
-    const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+  for (QueuedTile tile = queue.pop(queued, lane); tile.t < P.order.tiles;
+       tile = queue.pop(queued, lane)) {
+    const TileWork& w = tile.work;
     KeyWalk<Tr> walk(P, w);
     int flags;
     for (int n = walk.first_block(w, &flags); n >= w.keys.lo; n = walk.next(n - 1, &flags)) {

@@ -14,6 +14,9 @@
 
 namespace dmattn::cuda::sm90 {
 
+// Bytes of a slot of the tile queue (fwd_scheduler.cuh: QueuedTile).
+constexpr uint32_t kQueuedTileBytes = 48;
+
 // kOperands: the CTA has rings for the bias and mask tiles of the key blocks and walks past the
 // blocks a mask hides (a call with a mask or a bias); kBias: it has the bias ring (calls with a
 // mask alone leave its shared memory to a second mask stage and O's own tile). kSegments: it
@@ -79,12 +82,12 @@ struct FwdTraits {
   static constexpr uint32_t kOffBarriers = kOutputInQ ? kEndOperands : kOffO + kQBytes;
   // q_full, q_empty, then k_full, k_empty, v_full, v_empty per slot, then the tile queue's
   // full and empty per slot (fwd_scheduler.cuh), then bias_full, bias_empty, mask_full,
-  // mask_empty per slot of theirs, then the queue's tile indices
+  // mask_empty per slot of theirs, then the queue's tiles
   static constexpr int kTileSlots = 2;
   static constexpr int kBarriers =
       2 + 4 * kStages + 2 * kTileSlots + 2 * kBiasStages + 2 * kMaskStages;
   static constexpr uint32_t kOffTileSlots = kOffBarriers + kBarriers * 8;
-  static constexpr uint32_t kSmem = kOffTileSlots + kTileSlots * 8;
+  static constexpr uint32_t kSmem = kOffTileSlots + kTileSlots * kQueuedTileBytes;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kBiasBytes % 1024 == 0 &&
                     kMaskBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
