@@ -29,6 +29,8 @@ OneMask: TypeAlias = jax.Array | masks.KeyRanges | masks.RowRanges | masks.Block
 Mask: TypeAlias = OneMask | tuple[OneMask, ...] | None
 # ``window_sizes``: concrete integers [Hk, 3] or [3], rows (sink, left, right).
 WindowSizes: TypeAlias = np.ndarray | Sequence[int] | Sequence[Sequence[int]] | None
+# ``gate``: (alpha [B, Lq, H], delta [B, Lk, Hk]) or None.
+Gate: TypeAlias = tuple[jax.Array, jax.Array] | None
 
 # The O(L) forms. They are NamedTuples, so they are told apart from a tuple of masks by type.
 _FORMS = (masks.KeyRanges, masks.RowRanges, masks.BlockIndices)
@@ -50,6 +52,8 @@ def flash_dmattn(
     return_lse: bool = False,
     implementation: str | None = None,
     window_sizes: WindowSizes = None,
+    gate: Gate = None,
+    gate_threshold: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flash Dynamic Mask Attention: ``softmax(scale · Q Kᵀ + bias, masked) V``.
 
@@ -95,6 +99,31 @@ def flash_dmattn(
         are skipped. A table that is one window without sink for all heads runs the plain
         window (CUDA included); any other table runs the CPU kernels, and on a GPU the
         reference (implementation='cuda' raises).
+      gate: optional ``(alpha, delta)`` of gated attention, floating alpha ``[B, Lq, H]`` (one
+        value per query row and head) and delta ``[B, Lk, Hk]`` (per key and kv head): the
+        logits gain ``logsigmoid(alpha[b, i, h] * delta[b, j, h // (H // Hk)])``, so the logit
+        is ``scale · q·k + bias + logsigmoid(alpha · delta)``, softcapped as a whole (the gate
+        enters before the softcap, with the bias). O(L) memory: no ``[Lq, Lk]`` array. Read in
+        float32; differentiable in both (their gradients have their shapes and dtypes:
+        ``dalpha[b, i, h] = sum_j dS_ij · sigmoid(-alpha_i delta_j) · delta_j``, ``ddelta``
+        likewise summed over rows and the kv head's query heads, dS the logit's cotangent).
+        Combines with every mask form, bias, causality, windows, segment ids, lengths and
+        softcap. The CPU kernels take it; on a GPU the reference runs (implementation='cuda'
+        raises).
+      gate_threshold: ``None`` (exact) or a concrete float ``< 0``, only with a gate. Each query
+        head's score matrix is cut into a fixed grid of blocks of ``GATE_BLOCK_Q = 128`` query
+        rows × ``GATE_BLOCK_K = 128`` keys from position 0 (the last ones partial; all rows and
+        keys below Lq and Lk, whatever the lengths or masks). A block is dropped, its pairs
+        hidden like masked ones and never computed (tiles skipped whole, no Q·Kᵀ, forward and
+        backward), when ``logsigmoid(alpha_i · delta_j) < gate_threshold`` at every pair of it,
+        i.e. when the bound ``max(alpha_i · delta_j)`` over the block, the largest of the
+        products of alpha's min / max over its rows and delta's min / max over its keys, is
+        below ``gate_threshold - log(1 - exp(gate_threshold))``; kernels of any tile shape drop
+        the same pairs. Error: a row whose exact (threshold None) softmax gives its dropped
+        pairs total probability ``m`` changes by at most ``2m / (1 - m) · max_j |v_j|``, and
+        each dropped pair's probability is below ``exp(gate_threshold)`` times what it would
+        have without the gate (without softcap); a row with every pair dropped gives zeros and
+        lse ``-inf``, like a masked row. Dropped pairs get no gradient.
 
     Returns:
       ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key
@@ -107,6 +136,7 @@ def flash_dmattn(
     m = _mask_operands(_members(mask), dims)
     window = _window(validation.check_window_sizes(window_sizes, dims), -1,
                      0 if is_causal else -1)
+    alpha, delta, threshold = validation.check_gate(gate, gate_threshold, dims, q.dtype)
     aligned = is_causal or window != (-1, -1, None)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
@@ -119,10 +149,11 @@ def flash_dmattn(
         implementation=implementation,
         block_q=m.block_q,
         block_k=m.block_k,
+        gate_threshold=threshold,
     )
     out, lse = core.attention(params, q, k, v, m.mask, validation.check_bias(bias, dims, q.dtype),
                               None, None, q_segments, kv_segments, m.key_start, m.key_end,
-                              m.row_start, m.row_end, m.block_indices)
+                              m.row_start, m.row_end, m.block_indices, alpha, delta)
     return (out, lse) if return_lse else out
 
 
@@ -245,9 +276,11 @@ def dot_product_attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     window_sizes: WindowSizes = None,
+    gate: Gate = None,
+    gate_threshold: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics (plus
-    three keywords of its own at the end, the segment ids and ``window_sizes``).
+    keywords of its own at the end: the segment ids, ``window_sizes`` and the gate).
 
     Shapes: query ``[B, T, N, H]`` or ``[T, N, H]``, key/value ``[B, S, K, H]`` or ``[S, K, H]``;
     bias and mask broadcastable to ``[B, N, T, S]`` (each dim full or 1); sequence lengths int32
@@ -269,6 +302,9 @@ def dot_product_attention(
     only where ``j < sink[g]`` or ``i - left[g] <= j <= i + right[g]`` (top-left aligned like
     ``local_window_size``; a negative bound is unbounded), and-ed with every other rule
     (causality hides sink keys after ``i`` too); see :func:`flash_dmattn`.
+    ``gate=(alpha, delta)`` and ``gate_threshold`` (additions): gated attention as in
+    :func:`flash_dmattn`, alpha ``[B, T, N]`` and delta ``[B, S, K]`` (``[T, N]`` and ``[S, K]``
+    for 3-D inputs); the threshold's block grid starts at position 0 as there.
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
     visible key gives zeros (and residual ``-inf``), and masked tiles are skipped.
@@ -317,6 +353,9 @@ def dot_product_attention(
     if is_causal:
         right = 0
     window = _window(validation.check_window_sizes(window_sizes, dims), left, right)
+    if unbatched and isinstance(gate, (tuple, list)) and len(gate) == 2:
+        gate = tuple(None if x is None else jnp.expand_dims(jnp.asarray(x), 0) for x in gate)
+    alpha, delta, threshold = validation.check_gate(gate, gate_threshold, dims, q.dtype)
     params = AttentionParams(
         scale=validation.check_scale(scale, dims.head_dim),
         window_left=window.left,
@@ -325,10 +364,11 @@ def dot_product_attention(
         implementation=implementation,
         block_q=m.block_q,
         block_k=m.block_k,
+        gate_threshold=threshold,
     )
     out, lse = core.attention(params, q, k, v, m.mask, bias, q_lens, kv_lens, q_segments,
                               kv_segments, m.key_start, m.key_end, m.row_start, m.row_end,
-                              m.block_indices)
+                              m.block_indices, alpha, delta)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 IMPLEMENTATIONS = ("cuda", "cpu", "xla")
+
+# The fixed grid of the gate threshold (csrc/common/params.h: kGateBlockQ, kGateBlockK): blocks of
+# GATE_BLOCK_Q query rows × GATE_BLOCK_K keys from position 0, per (batch, query head).
+GATE_BLOCK_Q = 128
+GATE_BLOCK_K = 128
+
+
+def gate_cut(threshold: float | None) -> float:
+    """The product ``alpha * delta`` whose logsigmoid is `threshold` (< 0): ``logsigmoid(x) <
+    threshold`` iff ``x < gate_cut(threshold)``, since logsigmoid increases. ``-inf`` for None
+    (nothing is dropped). ``logit(e^t) = t - log(1 - e^t)``, in float64."""
+    if threshold is None:
+        return -math.inf
+    return threshold - math.log(-math.expm1(threshold))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +41,11 @@ class AttentionParams:
     ``i + diagonal_offset - left <= j <= i + diagonal_offset + right``, a bound < 0 unbounded;
     and-ed with the rules above, so causality hides a sink's future keys too), and the mask (if
     any) is True there.
+
+    With a gate (operands alpha ``[B, Lq, H]`` and delta ``[B, Lk, Hk]``) the logits gain
+    ``logsigmoid(alpha[i, h] * delta[j, h // (H // Hk)])``; with ``gate_threshold`` (< 0) the
+    pairs of every ``GATE_BLOCK_Q × GATE_BLOCK_K`` block (from position 0, per batch entry and
+    query head) whose gate is below it at every pair are hidden too (see :func:`gate_cut`).
     """
 
     scale: float
@@ -39,10 +59,13 @@ class AttentionParams:
     block_k: int = 0
     # Per-kv-head windows with sinks: Hk rows (sink, left, right), or None.
     window_sizes: tuple[tuple[int, int, int], ...] | None = None
+    # The gate's threshold on logsigmoid(alpha * delta) (< 0), or None (exact: nothing dropped).
+    gate_threshold: float | None = None
 
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
                        has_segments: bool = False, has_key_ranges: bool = False,
-                       has_row_ranges: bool = False, has_block_indices: bool = False) -> dict:
+                       has_row_ranges: bool = False, has_block_indices: bool = False,
+                       has_gate: bool = False) -> dict:
         """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
         return dict(
             scale=np.float32(self.scale),
@@ -62,4 +85,6 @@ class AttentionParams:
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             deterministic=self.deterministic,
+            has_gate=has_gate,
+            gate_cut=np.float64(gate_cut(self.gate_threshold)),
         )

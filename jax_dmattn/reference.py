@@ -12,7 +12,11 @@ Shapes (leading batch dims ``*B`` may be several; other operands broadcast over 
   ``[*B|1, H|Hk|1, ceil(Lq / block_q), K]`` int32 (query ``i`` sees key ``j`` only where
   ``j // block_k`` is among ``block_indices[i // block_q, :]``, the block sizes in params;
   expanded likewise). ``params.window_sizes`` (per-kv-head windows with sinks) is expanded to
-  a ``[Hk, Lq, Lk]`` mask likewise.
+  a ``[Hk, Lq, Lk]`` mask likewise. The gate, alpha ``[*B, Lq, H]`` and delta ``[*B, Lk, Hk]``
+  (floating), adds ``logsigmoid(alpha[i, h] * delta[j, h // (H // Hk)])`` to the logits (with
+  the bias, before the softcap); ``params.gate_threshold`` hides the pairs of the blocks of the
+  fixed ``GATE_BLOCK_Q × GATE_BLOCK_K`` grid it drops (:func:`gate_kept_blocks`), as the kernels
+  skip them.
   Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dmattn.params import AttentionParams
+from jax_dmattn.params import GATE_BLOCK_K, GATE_BLOCK_Q, AttentionParams, gate_cut
 
 
 def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -94,6 +98,34 @@ def _listed_blocks(block_indices: jax.Array, block_q: int, block_k: int, seqlen_
     return jnp.take(rows, jnp.arange(seqlen_k) // block_k, axis=-1)
 
 
+def _block_min_max(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Min and max of ``x [..., L]`` over blocks of `block` from position 0 (the last one
+    partial): ``[..., ceil(L / block)]`` each."""
+    length = x.shape[-1]
+    pad = -length % block
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], mode="edge")
+    blocks = padded.reshape(*x.shape[:-1], -1, block)
+    return blocks.min(-1), blocks.max(-1)
+
+
+def gate_kept_blocks(params: AttentionParams, alpha: jax.Array, delta: jax.Array) -> jax.Array:
+    """Bool ``[*B, Hk, G, ceil(Lq / GATE_BLOCK_Q), ceil(Lk / GATE_BLOCK_K)]``: the blocks of the
+    gate threshold's grid that are kept, alpha ``[*B, Hk, G, Lq]`` and delta ``[*B, Hk, Lk]``. A
+    block is dropped when ``max(alpha_i * delta_j)`` over its rows and keys (all of them below Lq
+    and Lk), the largest of the four products of alpha's and delta's min and max there, is below
+    ``gate_cut(params.gate_threshold)``: exactly when ``logsigmoid(alpha_i * delta_j) <
+    gate_threshold`` at each of its pairs. Computed in the inputs' dtype (float64 with x64: the
+    products of float32 values exact, as in the kernels, which use double)."""
+    alpha, delta = jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(delta)
+    a_lo, a_hi = _block_min_max(alpha, GATE_BLOCK_Q)  # [*B, Hk, G, nQB]
+    d_lo, d_hi = _block_min_max(delta, GATE_BLOCK_K)  # [*B, Hk, nKB]
+    a_lo, a_hi = a_lo[..., :, None], a_hi[..., :, None]
+    d_lo, d_hi = d_lo[..., None, None, :], d_hi[..., None, None, :]
+    bound = jnp.maximum(jnp.maximum(a_lo * d_lo, a_lo * d_hi),
+                        jnp.maximum(a_hi * d_lo, a_hi * d_hi))
+    return bound >= gate_cut(params.gate_threshold)
+
+
 def attention(
     params: AttentionParams,
     q: jax.Array,
@@ -110,6 +142,8 @@ def attention(
     row_start: jax.Array | None = None,
     row_end: jax.Array | None = None,
     block_indices: jax.Array | None = None,
+    alpha: jax.Array | None = None,
+    delta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
     *_, seqlen_q, num_heads, _ = q.shape
@@ -125,6 +159,12 @@ def attention(
     s = s.astype(dtype) * params.scale
     if bias is not None:
         s = s + _split_heads(bias.astype(dtype), num_kv_heads, group)
+    if alpha is not None:
+        # [*B, Lq, H] -> [*B, Hk, G, Lq]; [*B, Lk, Hk] -> [*B, Hk, Lk]
+        a = jnp.moveaxis(alpha.astype(dtype), -1, -2)
+        a = a.reshape(*a.shape[:-2], num_kv_heads, group, seqlen_q)
+        d = jnp.moveaxis(delta.astype(dtype), -1, -2)
+        s = s + jax.nn.log_sigmoid(a[..., :, None] * d[..., None, None, :])
     if params.softcap > 0:
         s = params.softcap * jnp.tanh(s / params.softcap)
 
@@ -147,6 +187,12 @@ def attention(
         listed = _listed_blocks(block_indices, params.block_q, params.block_k, seqlen_q,
                                 seqlen_k)  # [*B|1, Hr, Lq, Lk]
         visible = visible & _split_heads(listed, num_kv_heads, group)
+
+    if alpha is not None and params.gate_threshold is not None:
+        kept = gate_kept_blocks(params, a, d)  # [*B, Hk, G, nQB, nKB]
+        kept = jnp.repeat(jnp.repeat(kept, GATE_BLOCK_Q, axis=-2)[..., :seqlen_q, :],
+                          GATE_BLOCK_K, axis=-1)[..., :seqlen_k]
+        visible = visible & kept
 
     row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)

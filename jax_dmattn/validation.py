@@ -367,3 +367,50 @@ def check_window_sizes(window_sizes, dims: Dims) -> tuple[tuple[int, int, int], 
         left, right = _bound(left, limit), _bound(right, limit)
         rows.append((min(sink, dims.seqlen_k) if left >= 0 or right >= 0 else 0, left, right))
     return tuple(rows)
+
+
+def check_gate(gate, gate_threshold, dims: Dims,
+               dtype) -> tuple[jax.Array | None, jax.Array | None, float | None]:
+    """The gate of gated attention: ``gate=(alpha, delta)``, floating alpha ``[B, Lq, H]`` (one
+    value per query row and head) and delta ``[B, Lk, Hk]`` (per key and kv head), or None; and
+    its threshold, None or a concrete float ``< 0`` (logsigmoid is negative everywhere, so a
+    threshold ``>= 0`` would drop every block), only with a gate.
+
+    Returns ``(alpha, delta, threshold)``, alpha and delta cast to float32 (float64 for a
+    float64 query; their gradients come back in their own dtypes), or ``(None, None, None)``."""
+    if gate is None:
+        if gate_threshold is not None:
+            raise ValueError(f"gate_threshold={gate_threshold!r} needs a gate: pass "
+                             "gate=(alpha, delta)")
+        return None, None, None
+    accepted = (f"gate must be a pair (alpha, delta) of floating arrays, alpha [B, Lq, H] = "
+                f"[{dims.batch}, {dims.seqlen_q}, {dims.heads}] and delta [B, Lk, Hk] = "
+                f"[{dims.batch}, {dims.seqlen_k}, {dims.kv_heads}]")
+    if not isinstance(gate, (tuple, list)) or len(gate) != 2:
+        raise TypeError(f"{accepted}, got {type(gate).__name__}"
+                        + (f" of length {len(gate)}" if isinstance(gate, (tuple, list)) else ""))
+    arrays = []
+    for x, name, shape in ((gate[0], "alpha", (dims.batch, dims.seqlen_q, dims.heads)),
+                           (gate[1], "delta", (dims.batch, dims.seqlen_k, dims.kv_heads))):
+        if x is None:
+            raise TypeError(f"{accepted}; gate {name} is None")
+        x = as_array(x, f"gate {name}")
+        if x.shape != shape:
+            raise ValueError(f"gate {name} shape {x.shape} is not accepted; {accepted}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"gate {name} must be floating, got dtype {x.dtype.name}; {accepted}")
+        arrays.append(x.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32))
+    threshold = None
+    if gate_threshold is not None:
+        if (isinstance(gate_threshold, jax.core.Tracer) or isinstance(gate_threshold, bool)
+                or not np.isscalar(gate_threshold)
+                or not np.issubdtype(np.asarray(gate_threshold).dtype, np.number)):
+            raise TypeError(f"gate_threshold must be None or a concrete Python float < 0 (it "
+                            f"decides which blocks the kernels skip, so it is static), got "
+                            f"{gate_threshold!r}")
+        threshold = float(gate_threshold)
+        if not threshold < 0 or not math.isfinite(threshold):
+            raise ValueError(f"gate_threshold must be a finite float < 0 (logsigmoid is "
+                             f"negative everywhere: a threshold >= 0 drops every block), got "
+                             f"{gate_threshold!r}")
+    return arrays[0], arrays[1], threshold

@@ -19,8 +19,8 @@ from jax_dmattn import dot_product_attention, flash_dmattn
 
 
 def test_same_signature_as_jax_nn():
-    """jax.nn's parameters in its order, then only our keyword-only segment ids and per-kv-head
-    window table (default None)."""
+    """jax.nn's parameters in its order, then only our keyword-only segment ids, per-kv-head
+    window table and gate with its threshold (default None)."""
     ours = inspect.signature(dot_product_attention).parameters
     theirs = inspect.signature(jax.nn.dot_product_attention).parameters
     assert list(ours)[:len(theirs)] == list(theirs)
@@ -28,7 +28,8 @@ def test_same_signature_as_jax_nn():
         assert ours[name].kind == p.kind, name
         assert ours[name].default == p.default, name
     extra = list(ours)[len(theirs):]
-    assert extra == ["q_segment_ids", "kv_segment_ids", "window_sizes"], extra
+    assert extra == ["q_segment_ids", "kv_segment_ids", "window_sizes", "gate",
+                     "gate_threshold"], extra
     for name in extra:
         assert ours[name].kind == inspect.Parameter.KEYWORD_ONLY and ours[name].default is None
 

@@ -5,6 +5,7 @@
 // head mapping and the visibility rule live in exactly one place.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -25,6 +26,12 @@ constexpr int kMaskMapCell = 64;
 // Bytes per row of the CUDA kernels' bit-packed mask (cuda/attention.h): a bit per key, rows
 // padded to whole 16-byte units (128 keys), which TMA can address.
 constexpr int64_t MaskBitsRowBytes(int64_t cols) { return (cols + 127) / 128 * 16; }
+// The fixed grid of the gate threshold (AttentionShape::gate_cut): blocks of kGateBlockQ query
+// rows × kGateBlockK keys from position 0, per (batch, query head). Mirrored by
+// jax_dmattn/params.py (GATE_BLOCK_Q, GATE_BLOCK_K); kernels of any tile shape drop the same
+// blocks, so results never depend on a kernel's tiles.
+constexpr int64_t kGateBlockQ = 128;
+constexpr int64_t kGateBlockK = 128;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -81,6 +88,8 @@ struct BroadcastOperand {
 //   key_start, key_end: [*batch|1, H|Hk|1, 1, Lk] int32 (the same dims)
 //   row_start, row_end: [*batch|1, H|Hk|1, Lq, 1] int32 (the same dims)
 //   block_indices: [*batch|1, H|Hk|1, ceil(Lq / block_q), K] int32
+//   alpha: [*batch, Lq, H] fp32        delta: [*batch, Lk, Hk] fp32 (the gate; dalpha, ddelta
+//                                      alike)
 // Gradients have their own layouts (dkv_batch, dbias): a gradient sums over exactly the dims where
 // ITS buffer has size 1, which may differ from where the input broadcasts (under vmap an unmapped
 // k or bias is read with stride 0 but its per-example gradient is full-size).
@@ -127,6 +136,14 @@ struct AttentionShape {
   // the call's attribute, valid during the call: only the CPU kernels read it, the CUDA handlers
   // refuse a call that carries one.
   const int64_t* head_windows = nullptr;
+  // Gated attention: the scores gain logsigmoid(alpha[b, i, h] * delta[b, j, h / (H / Hk)])
+  // (added with the bias, before the softcap). With gate_cut > -inf, a kGateBlockQ × kGateBlockK
+  // block of the grid above is dropped for query head h (never computed, in every pass) when
+  // max(alpha_i * delta_j) over its rows and keys, taken from the corner products of alpha's and
+  // delta's min and max there (in double: exact for float32 values), is below gate_cut (the
+  // product whose logsigmoid is the user's threshold).
+  bool has_gate = false;
+  double gate_cut = -INFINITY;
   bool deterministic = false;
 
   DMATTN_HD int64_t batch_count() const { return batch.count(); }
@@ -146,6 +163,13 @@ struct AttentionShape {
   DMATTN_HD int64_t kv_row_stride() const { return num_kv_heads * head_dim; }
   DMATTN_HD int64_t lse_offset(int64_t b, int64_t h) const {
     return (b * num_heads + h) * seqlen_q;
+  }
+  // Gate operands: alpha [*batch, Lq, H] (row stride H), delta [*batch, Lk, Hk] (row stride Hk).
+  DMATTN_HD int64_t alpha_offset(int64_t b, int64_t h) const {
+    return b * seqlen_q * num_heads + h;
+  }
+  DMATTN_HD int64_t delta_offset(int64_t b, int64_t kv_head) const {
+    return b * seqlen_k * num_kv_heads + kv_head;
   }
 
   // The first key past the keys row i may see from the diagonal/window rule alone (no mask, no
@@ -178,6 +202,8 @@ struct ForwardArgs {
   const int32_t* row_start = nullptr;  // row ranges, or null
   const int32_t* row_end = nullptr;
   const int32_t* block_indices = nullptr;  // block indices, or null
+  const float* alpha = nullptr;  // the gate, or null
+  const float* delta = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
@@ -211,10 +237,14 @@ struct BackwardArgs {
   const int32_t* row_start = nullptr;  // row ranges, or null
   const int32_t* row_end = nullptr;
   const int32_t* block_indices = nullptr;  // block indices, or null
+  const float* alpha = nullptr;  // the gate, or null
+  const float* delta = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
   void* dbias = nullptr;  // null when there is no bias
+  float* dalpha = nullptr;  // null without a gate
+  float* ddelta = nullptr;
   float* softmax_d = nullptr;  // [*batch, H, Lq] workspace: rowsum(dout * out) - dlse
   void* workspace[kMaxWorkspaces] = {};
   int64_t workspace_bytes[kMaxWorkspaces] = {};

@@ -3,6 +3,8 @@
 //   1. dk, dv, dbias: one task per (owner group, key block) loops over the query blocks and the
 //      group's items, summing into fp32 tiles it alone owns, then writes them once;
 //   2. dq: one task per (batch, head, query block) loops over the key blocks.
+// With a gate, pass 1 also sums ddelta (per kv head: the group's items share it) and pass 2
+// dalpha (per row), each from dS ∘ sigmoid(-alpha·delta) of the tiles they already visit.
 // Both gradient passes recompute P and dS tile by tile and skip the tiles the forward skips.
 #include <algorithm>
 #include <cmath>
@@ -65,14 +67,15 @@ void ComputeSoftmaxD(const AttentionShape& shape, const BackwardArgs& args, int6
 
 // The fp32 tiles of one (item, query block) and of its score gradients.
 struct GradTiles {
-  GradTiles(int64_t dp, bool softcap)
+  GradTiles(int64_t dp, bool softcap, bool gate)
       : q(AllocateFloats(kBlockM * dp)),
         dout(AllocateFloats(kBlockM * dp)),
         lse(AllocateFloats(kBlockM)),
         delta(AllocateFloats(kBlockM)),
         s(AllocateFloats(kBlockM * kBlockN)),
         ds(AllocateFloats(kBlockM * kBlockN)),
-        cap_grad(softcap ? AllocateFloats(kBlockM * kBlockN) : nullptr) {}
+        cap_grad(softcap ? AllocateFloats(kBlockM * kBlockN) : nullptr),
+        gate_grad(gate ? AllocateFloats(kBlockM * kBlockN) : nullptr) {}
   FloatBuffer q;         // [kBlockM][dp], multiplied by the scale
   FloatBuffer dout;      // [kBlockM][dp]
   FloatBuffer lse;       // per row; -inf in padding rows
@@ -80,6 +83,7 @@ struct GradTiles {
   FloatBuffer s;         // [kBlockM][kBlockN]: scores, then P
   FloatBuffer ds;        // [kBlockM][kBlockN]: dP, then dS
   FloatBuffer cap_grad;  // [kBlockM][kBlockN]: 1 - tanh², only with softcap
+  FloatBuffer gate_grad;  // [kBlockM][kBlockN]: sigmoid(-alpha·delta), only with a gate
 };
 
 // Loads the query side of tile t: its rows of q (scaled), dout, lse and softmax_d.
@@ -107,7 +111,7 @@ void ComputeScoreGrads(const AttentionShape& shape, const HeadItem& item, const 
                        GradTiles& tiles) {
   const int64_t dp = PaddedHeadDim(shape), rows = t.padded_rows(), cols = t.padded_cols();
   ComputeScores(shape, item, mask, bias, t, tiles.q.get(), dp, kt, tiles.s.get(),
-                tiles.cap_grad.get());
+                tiles.cap_grad.get(), tiles.gate_grad.get());
   for (int64_t r = 0; r < rows; ++r) std::fill_n(tiles.ds.get() + r * kBlockN, cols, 0.f);
   GemmAccumulate(rows, cols, shape.head_dim, tiles.dout.get(), dp, 1, vt, kBlockN,
                  tiles.ds.get(), kBlockN);
@@ -136,6 +140,30 @@ void StoreRows(const float* src, int64_t ld, int64_t rows, int64_t dim, float sc
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < dim; ++d)
       dst[r * row_stride + d] = FromFloat<T>(scale * src[r * ld + d]);
+}
+
+// ddelta[c] += sum over the tile's rows of dS[r][c] · sigmoid(-alpha_r·delta_c) · alpha_r.
+inline void AddGateKeyGrads(const AttentionShape& shape, const HeadItem& item, const Tile& t,
+                            const GradTiles& tiles, float* ddelta) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const float a = item.alpha[(t.i0 + r) * shape.num_heads];
+    const float* __restrict ds = tiles.ds.get() + r * kBlockN;
+    const float* __restrict g = tiles.gate_grad.get() + r * kBlockN;
+    for (int64_t c = 0; c < t.cols; ++c) ddelta[c] += ds[c] * g[c] * a;
+  }
+}
+
+// dalpha[r] += sum over the tile's keys of dS[r][c] · sigmoid(-alpha_r·delta_c) · delta_c.
+inline void AddGateRowGrads(const AttentionShape& shape, const HeadItem& item, const Tile& t,
+                            const GradTiles& tiles, float* dalpha) {
+  const float* __restrict d = item.delta + t.j0 * shape.num_kv_heads;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const float* __restrict ds = tiles.ds.get() + r * kBlockN;
+    const float* __restrict g = tiles.gate_grad.get() + r * kBlockN;
+    float sum = 0.f;
+    for (int64_t c = 0; c < t.cols; ++c) sum += ds[c] * g[c] * d[c * shape.num_kv_heads];
+    dalpha[r] += sum;
+  }
 }
 
 // Pass 1 state of an owner group in one key block: the block's K and V tiles (key-minor) of each
@@ -219,13 +247,28 @@ void KeyBlockTask(const AttentionShape& shape, const BackwardArgs& args, const O
                                  item % shape.num_heads));
   KeyBlockTiles<T> kv(shape, ops, group);
   DbiasAccumulator<T> dbias(shape, ops.dbias, group.dbias.offsets);
-  GradTiles tiles(dp, shape.softcap > 0.f);
+  GradTiles tiles(dp, shape.softcap > 0.f, shape.has_gate);
+  // ddelta of each distinct (batch, kv head) of the group: the items sharing one share its dk
+  // target, so this group alone writes it.
+  Slots ddelta_slots;
+  if (shape.has_gate) {
+    for (const int64_t item : group.items) {
+      const int64_t b = item / shape.num_heads, h = item % shape.num_heads;
+      const int64_t offset = shape.delta_offset(b, h / shape.heads_per_kv_head());
+      const auto found = std::find(ddelta_slots.offsets.begin(), ddelta_slots.offsets.end(),
+                                   offset);
+      ddelta_slots.of_item.push_back(static_cast<int>(found - ddelta_slots.offsets.begin()));
+      if (found == ddelta_slots.offsets.end()) ddelta_slots.offsets.push_back(offset);
+    }
+  }
+  std::vector<float> ddelta(ddelta_slots.offsets.size() * kBlockN);
 
   const int64_t q_blocks = NumBlocks(shape.seqlen_q, kBlockM);
   dbias.BeginTask();
   for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     kv.BeginKeyBlock(kb);
     dbias.BeginKeyBlock(kb);
+    std::fill(ddelta.begin(), ddelta.end(), 0.f);
     for (int64_t qb = 0; qb < q_blocks; ++qb) {
       dbias.BeginQueryBlock(qb);
       for (size_t n = 0; n < items.size(); ++n) {
@@ -243,11 +286,19 @@ void KeyBlockTask(const AttentionShape& shape, const BackwardArgs& args, const O
         GemmAccumulate(t.padded_cols(), dp, t.rows, tiles.ds.get(), 1, kBlockN, tiles.q.get(), dp,
                        kv.dk(target), dp);
         dbias.Add(group.dbias.of_item[n], t, tiles.ds.get());
+        if (shape.has_gate)
+          AddGateKeyGrads(shape, item, t, tiles,
+                          ddelta.data() + ddelta_slots.of_item[n] * kBlockN);
       }
       dbias.EndQueryBlock();
     }
     kv.EndKeyBlock();
     dbias.EndKeyBlock();
+    const int64_t j0 = kb * kBlockN, cols = std::min(kBlockN, shape.seqlen_k - j0);
+    for (size_t slot = 0; slot < ddelta_slots.offsets.size(); ++slot)
+      for (int64_t c = 0; c < cols; ++c)
+        args.ddelta[ddelta_slots.offsets[slot] + (j0 + c) * shape.num_kv_heads] =
+            ddelta[slot * kBlockN + c];
   }
   dbias.EndTask();
 }
@@ -263,10 +314,11 @@ void QueryBlockTask(const AttentionShape& shape, const BackwardArgs& args, int64
   const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;
   const T* bias = ops.bias != nullptr ? ops.bias + item.bias_offset : nullptr;
 
-  GradTiles tiles(dp, shape.softcap > 0.f);
+  GradTiles tiles(dp, shape.softcap > 0.f, shape.has_gate);
   FloatBuffer kt = AllocateFloats(dp * kBlockN), vt = AllocateFloats(dp * kBlockN);
   FloatBuffer k = AllocateFloats(kBlockN * dp), dq = AllocateFloats(kBlockM * dp);
   std::fill_n(dq.get(), kBlockM * dp, 0.f);
+  float dalpha[kBlockM] = {};
 
   const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile
   if (block.rows > 0) {
@@ -283,12 +335,17 @@ void QueryBlockTask(const AttentionShape& shape, const BackwardArgs& args, int64
       ComputeScoreGrads(shape, item, mask, bias, t, kt.get(), vt.get(), tiles);
       GemmAccumulate(t.padded_rows(), dp, t.cols, tiles.ds.get(), kBlockN, 1, k.get(), dp,
                      dq.get(), dp);
+      if (shape.has_gate) AddGateRowGrads(shape, item, t, tiles, dalpha);
     }
   }
   // dq = scale · dS·k; rows past q_len and rows with no visible key keep their zeros.
   const int64_t block_rows = std::min(kBlockM, shape.seqlen_q - block.i0);
   StoreRows(dq.get(), dp, block_rows, dim, shape.scale,
             ops.dq + item.q_offset + block.i0 * q_stride, q_stride);
+  if (shape.has_gate) {
+    float* out = args.dalpha + shape.alpha_offset(b, h);
+    for (int64_t r = 0; r < block_rows; ++r) out[(block.i0 + r) * shape.num_heads] = dalpha[r];
+  }
 }
 
 }  // namespace

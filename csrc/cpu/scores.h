@@ -35,6 +35,33 @@ void InitScoresFromBias(const AttentionShape& shape, const T* item_bias, const T
   }
 }
 
+// s[r][c] += logsigmoid(alpha_r * delta_c) over the visible rows × cols (the gate of gated
+// attention); gate_grad (if not null) <- its derivative sigmoid(-alpha_r * delta_c) there and 0
+// elsewhere in t.padded_rows() × t.padded_cols().
+inline void AddGate(const AttentionShape& shape, const HeadItem& item, const Tile& t, float* s,
+                    float* gate_grad) {
+  const int64_t a_stride = shape.num_heads, d_stride = shape.num_kv_heads;
+  for (int64_t r = 0; r < t.padded_rows(); ++r) {
+    float* __restrict srow = s + r * kBlockN;
+    float* __restrict grow = gate_grad != nullptr ? gate_grad + r * kBlockN : nullptr;
+    int64_t c = 0;
+    if (r < t.rows) {
+      const float a = item.alpha[(t.i0 + r) * a_stride];
+      const float* __restrict d = item.delta + t.j0 * d_stride;
+      for (; c < t.cols; ++c) {
+        const float x = a * d[c * d_stride];
+        // logsigmoid(x) = min(x, 0) - log1p(e^-|x|); sigmoid(-x) = e^-|x| / (1 + e^-|x|) for
+        // x >= 0, 1 / (1 + e^-|x|) below: no cancellation on either side.
+        const float e = std::exp(-std::fabs(x));
+        srow[c] += std::fmin(x, 0.f) - std::log1p(e);
+        if (grow != nullptr) grow[c] = (x >= 0.f ? e : 1.f) / (1.f + e);
+      }
+    }
+    if (grow != nullptr)
+      for (; c < t.padded_cols(); ++c) grow[c] = 0.f;
+  }
+}
+
 // s <- softcap · tanh(s / softcap); cap_grad (if not null) <- the derivative 1 - tanh².
 inline void ApplySoftcap(float softcap, const Tile& t, float* s, float* cap_grad) {
   const float inv_cap = 1.f / softcap;
@@ -129,16 +156,19 @@ inline void HideInvisibleScores(const AttentionShape& shape, const HeadItem& ite
 }
 
 // The tile's scores s[r][c] (row stride kBlockN) over t.padded_rows() × t.padded_cols():
-// bias + q·kᵀ (q already multiplied by the scale, kt key-minor), softcapped, then -inf where the
-// key is not visible to the row. With softcap on and cap_grad not null, cap_grad receives the
-// softcap's derivative. item_mask / item_bias point at this item's (row 0, col 0), or are null.
+// bias + q·kᵀ (q already multiplied by the scale, kt key-minor) + the gate, softcapped, then
+// -inf where the key is not visible to the row. With softcap on and cap_grad not null, cap_grad
+// receives the softcap's derivative; with a gate and gate_grad not null, gate_grad receives the
+// gate's derivative (AddGate). item_mask / item_bias point at this item's (row 0, col 0), or
+// are null.
 template <typename T>
 void ComputeScores(const AttentionShape& shape, const HeadItem& item, const bool* item_mask,
                    const T* item_bias, const Tile& t, const float* q, int64_t q_ld,
-                   const float* kt, float* s, float* cap_grad) {
+                   const float* kt, float* s, float* cap_grad, float* gate_grad = nullptr) {
   InitScoresFromBias(shape, item_bias, t, s);
   GemmAccumulate(t.padded_rows(), t.padded_cols(), shape.head_dim, q, q_ld, 1, kt, kBlockN, s,
                  kBlockN);
+  if (item.alpha != nullptr) AddGate(shape, item, t, s, gate_grad);
   if (shape.softcap > 0.f) ApplySoftcap(shape.softcap, t, s, cap_grad);
   HideInvisibleScores(shape, item, item_mask, t, s);
 }

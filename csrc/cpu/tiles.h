@@ -17,6 +17,10 @@ namespace dmattn::cpu {
 
 constexpr int64_t kBlockM = 64;  // query rows per tile
 constexpr int64_t kBlockN = 64;  // keys per tile; also the row stride of score tiles
+// Each tile lies in one block of the gate threshold's grid (common/params.h), so a tile is
+// skipped exactly when its block is dropped: no tile ever holds dropped and kept blocks.
+static_assert(kGateBlockQ % kBlockM == 0 && kGateBlockK % kBlockN == 0,
+              "CPU tiles must nest in the gate grid");
 
 inline int64_t NumBlocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
@@ -49,10 +53,14 @@ struct HeadItem {
   // the shape's own window; head_window false without a table.
   bool head_window = false;
   int64_t sink = 0, left = -1, right = -1;
+  // The item's gate (row i's alpha at alpha[i * num_heads], key j's delta at
+  // delta[j * num_kv_heads]), or null.
+  const float* alpha = nullptr;
+  const float* delta = nullptr;
 };
 
 // Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges, block
-// indices).
+// indices, gate).
 template <typename Args>
 HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, int64_t h) {
   HeadItem item;
@@ -87,6 +95,10 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
     item.sink = row[0];
     item.left = row[1];
     item.right = row[2];
+  }
+  if (shape.has_gate) {
+    item.alpha = args.alpha + shape.alpha_offset(b, h);
+    item.delta = args.delta + shape.delta_offset(b, h / shape.heads_per_kv_head());
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -274,14 +286,42 @@ inline bool TileBlocksMeet(const AttentionShape& shape, const HeadItem& item, co
   return false;
 }
 
-// Whether any (row, key) of the tile is visible: the segment ids' spans, the key and row ranges,
+// [min, max] of n values `stride` apart.
+inline void MinMax(const float* x, int64_t n, int64_t stride, double* lo, double* hi) {
+  float a = x[0], b = x[0];
+  for (int64_t k = 1; k < n; ++k) {
+    a = std::min(a, x[k * stride]);
+    b = std::max(b, x[k * stride]);
+  }
+  *lo = a;
+  *hi = b;
+}
+
+// Whether the gate threshold keeps the grid block of the tile (common/params.h: gate_cut): the
+// largest alpha_i * delta_j over the block's rows and keys (every row and key below Lq and Lk,
+// whatever the lengths) is a corner product of their min and max; in double, exact for float32
+// values. Always true without a threshold.
+inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, const Tile& t) {
+  if (item.alpha == nullptr || !(shape.gate_cut > -INFINITY)) return true;
+  const int64_t i0 = t.i0 / kGateBlockQ * kGateBlockQ, j0 = t.j0 / kGateBlockK * kGateBlockK;
+  double a_lo, a_hi, d_lo, d_hi;
+  MinMax(item.alpha + i0 * shape.num_heads, std::min(kGateBlockQ, shape.seqlen_q - i0),
+         shape.num_heads, &a_lo, &a_hi);
+  MinMax(item.delta + j0 * shape.num_kv_heads, std::min(kGateBlockK, shape.seqlen_k - j0),
+         shape.num_kv_heads, &d_lo, &d_hi);
+  const double bound = std::max(std::max(a_lo * d_lo, a_lo * d_hi), std::max(a_hi * d_lo,
+                                                                              a_hi * d_hi));
+  return bound >= shape.gate_cut;
+}
+
+// Whether any (row, key) of the tile is visible: the gate threshold's block, the segment ids' spans, the key and row ranges,
 // the block indices and the diagonal/window rule first, then an OR over the mask entries they
 // leave (upstream's __syncthreads_or). A false answer means the tile is skipped: no K/V/bias
 // loads, no math. item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t) ||
-      !TileBlocksMeet(shape, item, t))
+  if (t.rows == 0 || t.cols == 0 || !TileGateKept(shape, item, t) ||
+      !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t) || !TileBlocksMeet(shape, item, t))
     return false;
   // The rule's visible columns only move right down the rows, so it leaves the whole tile when
   // the last row starts at column 0 and the first row ends at the last column: the common case,

@@ -40,6 +40,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: the CUDA kernels do not take per-kv-head windows or sinks "
                       "yet (issue 27)");
   }
+  if (shape.has_gate) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: the CUDA kernels do not take a gate (gated attention) yet "
+                      "(issue 27)");
+  }
   if (shape.mask.present && (mask_map == nullptr || mask_bits == nullptr)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: a CUDA call with a mask needs its mask_map and mask_bits "

@@ -1,6 +1,7 @@
 #include "ffi/decode.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -148,6 +149,9 @@ ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->window_left = attrs.window_left;
   s->window_right = attrs.window_right;
   s->deterministic = attrs.deterministic;
+  s->has_gate = attrs.has_gate;
+  s->gate_cut = attrs.gate_cut;
+  if (std::isnan(attrs.gate_cut)) return Invalid("gate_cut is NaN");
   return DecodeHeadWindows(attrs.window_sizes, s);
 }
 
@@ -285,6 +289,20 @@ ffi::Error DecodeBlockIndices(ffi::AnyBuffer indices, int64_t block_q, int64_t b
   return ffi::Error::Success();
 }
 
+// A gate operand or its gradient: float32 [*batch, L, heads], the query's batch dims in full.
+ffi::Error ExpectGateOperand(ffi::AnyBuffer x, const AttentionShape& s, int64_t length,
+                             int64_t heads, const char* name) {
+  const auto dims = x.dimensions();
+  const int r = s.batch.rank;
+  bool ok = x.element_type() == ffi::DataType::F32 && static_cast<int>(dims.size()) == r + 2 &&
+            dims[r] == length && dims[r + 1] == heads;
+  for (int d = 0; ok && d < r; ++d) ok = dims[d] == s.batch.sizes[d];
+  return ok ? ffi::Error::Success()
+            : Invalid(std::string(name) + " must be float32 [*batch, " + std::to_string(length) +
+                      ", " + std::to_string(heads) + "] with the query's batch dims, got " +
+                      DimsString(dims));
+}
+
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
 // the call's pointers (ForwardArgs or BackwardArgs).
 template <typename Args>
@@ -344,6 +362,17 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
     DMATTN_ASSIGN_OR_RETURN(bi, cursor.Next("block_indices"));
     if (auto e = DecodeBlockIndices(bi, attrs.block_q, attrs.block_k, s); e.failure()) return e;
     p->block_indices = static_cast<const int32_t*>(bi.untyped_data());
+  }
+  if (attrs.has_gate) {
+    DMATTN_ASSIGN_OR_RETURN(alpha, cursor.Next("alpha"));
+    DMATTN_ASSIGN_OR_RETURN(delta, cursor.Next("delta"));
+    if (auto e = ExpectGateOperand(alpha, *s, s->seqlen_q, s->num_heads, "alpha"); e.failure())
+      return e;
+    if (auto e = ExpectGateOperand(delta, *s, s->seqlen_k, s->num_kv_heads, "delta");
+        e.failure())
+      return e;
+    p->alpha = static_cast<const float*>(alpha.untyped_data());
+    p->delta = static_cast<const float*>(delta.untyped_data());
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));
@@ -489,6 +518,18 @@ ffi::Error DecodeBackward(const Buffers& args, const Buffers& rets, const Attent
     if (auto e = ExpectSameType(dbias, q.element_type(), "dbias"); e.failure()) return e;
     if (auto e = DecodeBroadcastOperand(dbias, *s, "dbias", &s->dbias); e.failure()) return e;
     p->dbias = dbias.untyped_data();
+  }
+  if (attrs.has_gate) {
+    DMATTN_ASSIGN_OR_RETURN(dalpha, grads.Next("dalpha"));
+    DMATTN_ASSIGN_OR_RETURN(ddelta, grads.Next("ddelta"));
+    if (auto e = ExpectGateOperand(dalpha, *s, s->seqlen_q, s->num_heads, "dalpha");
+        e.failure())
+      return e;
+    if (auto e = ExpectGateOperand(ddelta, *s, s->seqlen_k, s->num_kv_heads, "ddelta");
+        e.failure())
+      return e;
+    p->dalpha = static_cast<float*>(dalpha.untyped_data());
+    p->ddelta = static_cast<float*>(ddelta.untyped_data());
   }
   DMATTN_ASSIGN_OR_RETURN(softmax_d, grads.Next("softmax_d"));
   if (auto e = ExpectLse(softmax_d, *s, "softmax_d"); e.failure()) return e;

@@ -3,12 +3,12 @@
 // Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
 //   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
 //                  [key_start, key_end], [row_start, row_end], [block_indices],
-//                  [mask_map, mask_bits]
+//                  [alpha, delta], [mask_map, mask_bits]
 //            rets: out, lse, [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
 //                  [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-//                  [block_indices], [mask_map, mask_bits]
-//            rets: dq, dk, dv, [dbias], softmax_d, [platform workspaces]
+//                  [block_indices], [alpha, delta], [mask_map, mask_bits]
+//            rets: dq, dk, dv, [dbias], [dalpha, ddelta], softmax_d, [platform workspaces]
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
 #pragma once
@@ -40,6 +40,8 @@ struct AttentionAttrs {
   int64_t block_q;  // the block indices' block sizes (0 without them)
   int64_t block_k;
   bool deterministic;
+  bool has_gate;    // alpha, delta operands (and dalpha, ddelta results)
+  double gate_cut;  // the gate threshold as a product alpha * delta; -inf: none
 };
 
 // A call's operands or results, in the order above.
@@ -89,4 +91,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_row_ranges"),
     ::xla::ffi::StructMember<bool>("has_block_indices"),
     ::xla::ffi::StructMember<int64_t>("block_q"), ::xla::ffi::StructMember<int64_t>("block_k"),
-    ::xla::ffi::StructMember<bool>("deterministic"));
+    ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<bool>("has_gate"),
+    ::xla::ffi::StructMember<double>("gate_cut"));

@@ -58,6 +58,7 @@ nb::dict BuildInfo() {
   info["row_ranges"] = true;  // and row ranges (the CUDA kernels do not)
   info["block_indices"] = true;  // and block indices (the CUDA kernels do not)
   info["window_sizes"] = true;  // and per-kv-head windows with sinks (the CUDA kernels do not)
+  info["gate"] = true;  // and the gate of gated attention, with its threshold (likewise)
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};

@@ -110,7 +110,7 @@ def local_gpu_compute_capability() -> str | None:
 # ---- calls ----------------------------------------------------------------------------------
 # Operand order and workspaces mirror csrc/ffi/decode.h: the fixed operands, then [mask], [bias],
 # [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-# [block_indices], then (CUDA) the mask's map and bits. Every operand
+# [block_indices], [alpha, delta], then (CUDA) the mask's map and bits. Every operand
 # has the same number of leading batch dims (size 1 where it broadcasts); the kernels take at most
 # MAX_BATCH_DIMS of them, so neighbouring dims that every operand treats alike are merged first (a
 # free reshape). A CUDA call with a mask also takes the mask's block map, made by its own call
@@ -181,12 +181,15 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,
                   grad_shapes) -> list:
-    """``[dq, dk, dv, (dbias)]`` from the platform's backward kernel.
+    """``[dq, dk, dv, (dbias), (dalpha, ddelta)]`` from the platform's backward kernel.
 
-    ``grad_shapes``: the shapes of dk, dv (and dbias), which differ from the inputs' under vmap.
+    ``grad_shapes``: the shapes of dk, dv (and dbias), which differ from the inputs' under vmap;
+    dalpha and ddelta (float32) have the gate's shapes.
     """
     register_targets()
     grads = [(q.shape, q.dtype)] + [(shape, q.dtype) for shape in grad_shapes]
+    if opts.has_gate:
+        grads += [(x.shape, np.float32) for x in opts.split(extras)[-2:]]
     workspaces = [(lse.shape, np.float32)]  # softmax_d
     extra = None
     if platform == "cuda":
@@ -310,7 +313,7 @@ def _cuda_backward_workspaces(opts, num_grads: int):
         bias, dbias = [], []
         if opts.has_bias:
             bias = arg_shapes[7 + int(opts.has_mask)]
-            dbias = result_shapes[num_grads - 1]
+            dbias = result_shapes[3]
         n = _extension().cuda_backward_workspace_bytes(q, k, dk, bias, dbias,
                                                        *_segment_shapes(opts, arg_shapes, 7))
         return [((max(n, 1),), np.uint8)]

@@ -1,6 +1,7 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-Attention: an unmapped mask, bias, length, segment id, key or row range or block index array
+Attention: the gate's alpha and delta are O(L) and always get the full batch dims (an unmapped
+one is broadcast, and its per-example gradient summed by the transpose). An unmapped mask, bias, length, segment id, key or row range or block index array
 gets a size-1 dim there (a free reshape) and is read with stride 0, so vmap never copies it (the
 block indices are one array, in no pair); k and v likewise when
 both are unmapped, and so are the two lengths, the two segment id arrays and the two key (or row)
@@ -42,13 +43,23 @@ def _pairs(opts: ops.Optionals, num_fixed: int) -> list[tuple[int, int]]:
     return pairs
 
 
+def _gate_operands(opts: ops.Optionals, num_fixed: int) -> set[int]:
+    """Operand positions of the gate's alpha and delta (none without a gate): last."""
+    if not opts.has_gate:
+        return set()
+    first = num_fixed + sum((opts.has_mask, opts.has_bias, 2 * opts.has_seqlens,
+                             2 * opts.has_segments, 2 * opts.has_key_ranges,
+                             2 * opts.has_row_ranges, opts.has_block_indices))
+    return {first, first + 1}
+
+
 def _batch(primitive, query_like: frozenset[int], num_fixed: int):
     """`query_like`: the query-shaped operands; `num_fixed`: how many operands precede the
     optional ones."""
 
     def rule(args, dims, **params):
         size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-        broadcast = set(query_like)
+        broadcast = set(query_like) | _gate_operands(params["opts"], num_fixed)
         for a, b in _pairs(params["opts"], num_fixed):
             if (dims[a] is None) != (dims[b] is None):
                 broadcast.update((a, b))

@@ -3,8 +3,9 @@
 ``attention`` takes validated, normalised operands (see ``attention.py``) and returns
 ``(out, lse)``. The ``xla`` implementation is the pure-JAX reference, differentiated by JAX; every
 other choice runs the kernels through a ``custom_vjp`` whose forward saves q, k, v, mask, bias,
-out (in float32) and lse, and whose backward returns dq, dk, dv and dbias (the mask, the lengths,
-the segment ids, the key and row ranges and the block indices get none).
+the gate, out (in float32) and lse, and whose backward returns dq, dk, dv, dbias and the gate's
+dalpha and ddelta (the mask, the lengths, the segment ids, the key and row ranges and the block
+indices get none).
 """
 
 from __future__ import annotations
@@ -35,19 +36,22 @@ def attention(
     row_start: jax.Array | None = None,
     row_end: jax.Array | None = None,
     block_indices: jax.Array | None = None,
+    alpha: jax.Array | None = None,
+    delta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [B, Lq, H, D], lse [B, H, Lq] float32)`` for normalised operands (segment ids int32
     ``[B|1, Lq]`` and ``[B|1, Lk]`` of one batch pattern, or both None; key ranges int32
     ``[B|1, H|Hk|1, 1, Lk]`` of one shape, or both None; row ranges int32 ``[B|1, H|Hk|1, Lq,
     1]`` of one shape, or both None; block indices int32 ``[B|1, H|Hk|1, ceil(Lq / block_q),
-    K]`` with ``params.block_q`` and ``params.block_k`` set, or None)."""
+    K]`` with ``params.block_q`` and ``params.block_k`` set, or None; the gate alpha ``[B, Lq,
+    H]`` and delta ``[B, Lk, Hk]``, float32 (float64 for float64 q), or both None)."""
     if params.implementation == "xla":
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
                                    kv_segments, key_start, key_end, row_start, row_end,
-                                   block_indices)
+                                   block_indices, alpha, delta)
     return _attention(params, *vary_alike(q, k, v, mask, bias, q_lens, kv_lens, q_segments,
                                           kv_segments, key_start, key_end, row_start, row_end,
-                                          block_indices))
+                                          block_indices, alpha, delta))
 
 
 def _varying_axes(x) -> frozenset:
@@ -71,38 +75,40 @@ def vary_alike(*operands):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-               key_end, row_start, row_end, block_indices):
+               key_end, row_start, row_end, block_indices, alpha, delta):
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end, block_indices)
+                           key_start, key_end, row_start, row_end, block_indices, alpha, delta)
     return out, lse
 
 
 def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                   key_start, key_end, row_start, row_end, block_indices):
+                   key_start, key_end, row_start, row_end, block_indices, alpha, delta):
     # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end, block_indices,
+                           key_start, key_end, row_start, row_end, block_indices, alpha, delta,
                            float32_out=True)
     residuals = (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-                 key_end, row_start, row_end, block_indices, out, lse)
+                 key_end, row_start, row_end, block_indices, alpha, delta, out, lse)
     return (out.astype(q.dtype), lse), residuals
 
 
 def _attention_bwd(params, residuals, cotangents):
     (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
-     row_end, block_indices, out, lse) = residuals
+     row_end, block_indices, alpha, delta, out, lse) = residuals
     dout, dlse = cotangents
     # the lengths, segment ids, key and row ranges and block indices: integer inputs
     no_grads = (None,) * 9
     if bias is not None and _bias_shifts_rows(params, bias):
-        dq, dk, dv, _ = ops.backward(params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse,
-                                     mask, None, q_lens, kv_lens, q_segments, kv_segments,
-                                     key_start, key_end, row_start, row_end, block_indices)
-        return dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads
-    dq, dk, dv, dbias = ops.backward(params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens,
-                                     kv_lens, q_segments, kv_segments, key_start, key_end,
-                                     row_start, row_end, block_indices)
-    return dq, dk, dv, None, dbias, *no_grads
+        dq, dk, dv, _, dalpha, ddelta = ops.backward(
+            params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse, mask, None, q_lens,
+            kv_lens, q_segments, kv_segments, key_start, key_end, row_start, row_end,
+            block_indices, alpha, delta)
+        return (dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads, dalpha,
+                ddelta)
+    dq, dk, dv, dbias, dalpha, ddelta = ops.backward(
+        params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens, kv_lens, q_segments,
+        kv_segments, key_start, key_end, row_start, row_end, block_indices, alpha, delta)
+    return dq, dk, dv, None, dbias, *no_grads, dalpha, ddelta
 
 
 # A bias constant over keys ([.., Lq|1, 1]) adds one value b_i to every logit of row i: without a

@@ -3,14 +3,16 @@ and the gradient of dynamic attention's key gathers (:func:`sum_listed_keys`).
 
 Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
   forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
-           [key_start, key_end], [row_start, row_end], [block_indices]`` -> ``out, lse``
+           [key_start, key_end], [row_start, row_end], [block_indices], [alpha, delta]``
+           -> ``out, lse``
   backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
            [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-           [block_indices]`` -> ``dq, dk, dv, [dbias]``
+           [block_indices], [alpha, delta]`` -> ``dq, dk, dv, [dbias], [dalpha, ddelta]``
 (the lengths int32 ``[*B]``, the segment ids int32 ``[*B, Lq]`` and ``[*B, Lk]``, the key ranges
 int32 ``[*B, H|Hk|1, 1, Lk]``: a mask broadcast over rows, the row ranges int32
 ``[*B, H|Hk|1, Lq, 1]``: a mask broadcast over columns, the block indices int32
-``[*B, H|Hk|1, ceil(Lq / block_q), K]`` with the block sizes in the params). k, v, mask, bias,
+``[*B, H|Hk|1, ceil(Lq / block_q), K]`` with the block sizes in the params, the gate float32
+alpha ``[*B, Lq, H]`` and delta ``[*B, Lk, Hk]``, full over every batch dim). k, v, mask, bias,
 the lengths, the segment ids, the ranges and the block indices may have size 1 on any batch dim
 (read with stride 0, never copied);
 the two lengths, like the two segment id arrays and each pair of range arrays, share one batch
@@ -65,18 +67,21 @@ class Optionals(NamedTuple):
     has_key_ranges: bool = False
     has_row_ranges: bool = False
     has_block_indices: bool = False
+    has_gate: bool = False
     float32_out: bool = False
 
     @classmethod
     def of(cls, mask, bias, q_lens, q_segments=None, key_start=None, row_start=None,
-           block_indices=None) -> Optionals:
+           block_indices=None, alpha=None) -> Optionals:
         return cls(mask is not None, bias is not None, q_lens is not None, q_segments is not None,
-                   key_start is not None, row_start is not None, block_indices is not None)
+                   key_start is not None, row_start is not None, block_indices is not None,
+                   alpha is not None)
 
     def split(self, extras: Sequence) -> tuple:
         """``[mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end],
-        [row_start, row_end], [block_indices]`` -> ``(mask, bias, q_lens, kv_lens, q_segments,
-        kv_segments, key_start, key_end, row_start, row_end, block_indices)`` with Nones."""
+        [row_start, row_end], [block_indices], [alpha, delta]`` -> ``(mask, bias, q_lens,
+        kv_lens, q_segments, kv_segments, key_start, key_end, row_start, row_end, block_indices,
+        alpha, delta)`` with Nones."""
         extras = list(extras)
         mask = extras.pop(0) if self.has_mask else None
         bias = extras.pop(0) if self.has_bias else None
@@ -88,9 +93,10 @@ class Optionals(NamedTuple):
         row_start, row_end = ((extras.pop(0), extras.pop(0)) if self.has_row_ranges
                               else (None, None))
         block_indices = extras.pop(0) if self.has_block_indices else None
+        alpha, delta = (extras.pop(0), extras.pop(0)) if self.has_gate else (None, None)
         assert not extras
         return (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end,
-                row_start, row_end, block_indices)
+                row_start, row_end, block_indices, alpha, delta)
 
     def out_dtype(self, q_dtype):
         return jnp.float32 if self.float32_out else q_dtype
@@ -100,7 +106,8 @@ class Optionals(NamedTuple):
                                      has_seqlens=self.has_seqlens, has_segments=self.has_segments,
                                      has_key_ranges=self.has_key_ranges,
                                      has_row_ranges=self.has_row_ranges,
-                                     has_block_indices=self.has_block_indices)
+                                     has_block_indices=self.has_block_indices,
+                                     has_gate=self.has_gate)
 
 
 def _present(*xs):
@@ -109,26 +116,32 @@ def _present(*xs):
 
 def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None,
             q_segments=None, kv_segments=None, key_start=None, key_end=None, row_start=None,
-            row_end=None, block_indices=None, float32_out: bool = False):
+            row_end=None, block_indices=None, alpha=None, delta=None, float32_out: bool = False):
     """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``; out in q's dtype, or float32."""
     opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start,
-                        block_indices)._replace(float32_out=float32_out)
+                        block_indices, alpha)._replace(float32_out=float32_out)
     return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
                                              key_start, key_end, row_start, row_end,
-                                             block_indices),
+                                             block_indices, alpha, delta),
                           params=params, opts=opts)
 
 
 def backward(params: AttentionParams, q, k, v, out, dout, lse, dlse, mask=None, bias=None,
              q_lens=None, kv_lens=None, q_segments=None, kv_segments=None, key_start=None,
-             key_end=None, row_start=None, row_end=None, block_indices=None):
-    """``(dq, dk, dv, dbias)``; dbias is None without a bias."""
-    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start, block_indices)
-    grads = backward_p.bind(q, k, v, out, dout, lse, dlse,
-                            *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                                      key_start, key_end, row_start, row_end, block_indices),
-                            params=params, opts=opts)
-    return (*grads, None) if not opts.has_bias else tuple(grads)
+             key_end=None, row_start=None, row_end=None, block_indices=None, alpha=None,
+             delta=None):
+    """``(dq, dk, dv, dbias, dalpha, ddelta)``; dbias is None without a bias, dalpha and ddelta
+    None without a gate."""
+    opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start, block_indices,
+                        alpha)
+    grads = list(backward_p.bind(q, k, v, out, dout, lse, dlse,
+                                 *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
+                                           key_start, key_end, row_start, row_end,
+                                           block_indices, alpha, delta),
+                                 params=params, opts=opts))
+    dbias = grads.pop(3) if opts.has_bias else None
+    dalpha, ddelta = grads[3:] if opts.has_gate else (None, None)
+    return (*grads[:3], dbias, dalpha, ddelta)
 
 
 # ---- shapes ---------------------------------------------------------------------------------
@@ -157,12 +170,15 @@ def _forward_abstract_eval(q, k, v, *extras, params, opts):
 
 
 def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
-    bias = opts.split(extras)[1]
+    split = opts.split(extras)
+    bias, alpha, delta = split[1], split[-2], split[-1]
     grads = [_like(q, q.shape, q.dtype),
              _like(q, gradient_shape(k.shape, q.shape, 1), k.dtype),
              _like(q, gradient_shape(v.shape, q.shape, 1), v.dtype)]
     if bias is not None:
         grads.append(_like(q, gradient_shape(bias.shape, q.shape, 1), bias.dtype))
+    if alpha is not None:
+        grads += [_like(q, x.shape, x.dtype) for x in (alpha, delta)]
     return grads
 
 
@@ -217,10 +233,10 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_key_ranges: bool = False, has_row_ranges: bool = False,
-                has_block_indices: bool = False) -> bool:
+                has_block_indices: bool = False, has_gate: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or with key or row ranges, per-kv-head windows or block
-    indices, which the CUDA kernels do not read yet, alone or beside a mask and each other: the
+    without a kernel for the call (or with key or row ranges, per-kv-head windows, block
+    indices or a gate, which the CUDA kernels do not read yet, alone or beside a mask and each other: the
     first of them missing is the reason), implementation="cuda" raises and None warns once per
     reason (then runs the pure-JAX reference)."""
     requested = params.implementation
@@ -246,6 +262,10 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
     if missing is None and has_block_indices:
         missing = ("the CUDA kernels do not read block indices (masks.BlockIndices) yet",
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
+    if missing is None and has_gate:
+        missing = ("the CUDA kernels do not take a gate (gated attention, gate=) yet",
+                   "Gated attention runs on the CPU kernels and the reference for now "
+                   "(issue 27).")
     if missing is not None:
         reason, fix = missing
         if requested == "cuda":
@@ -266,23 +286,22 @@ def _reference_forward(params, opts, q, k, v, *extras):
 
 def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
     (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
-     row_end, block_indices) = opts.split(extras)
+     row_end, block_indices, alpha, delta) = opts.split(extras)
 
-    def fn(q, k, v, bias):
+    def fn(q, k, v, bias, alpha, delta):
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
                                    kv_segments, key_start, key_end, row_start, row_end,
-                                   block_indices)
+                                   block_indices, alpha, delta)
 
-    _, vjp = jax.vjp(fn, q, k, v, bias)
-    dq, dk, dv, dbias = vjp((dout, dlse.astype(lse.dtype)))
-    return _present(dq, dk, dv, dbias)
+    _, vjp = jax.vjp(fn, q, k, v, bias, alpha, delta)
+    return _present(*vjp((dout, dlse.astype(lse.dtype))))
 
 
 def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
         if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges, opts.has_block_indices):
+                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)
@@ -356,7 +375,8 @@ sum_listed_keys_p.def_impl(_eager(sum_listed_keys_p))
 class KernelCalls(NamedTuple):
     """The kernels' calls the primitives lower to on ``cpu`` and ``cuda``, each taking the
     primitive's operands: ``forward(platform, params, opts, *operands) -> [out, lse]``,
-    ``backward(platform, params, opts, *operands) -> [dq, dk, dv, (dbias)]`` and
+    ``backward(platform, params, opts, *operands) -> [dq, dk, dv, (dbias), (dalpha, ddelta)]``
+    and
     ``sum_listed_keys(grad, slots, spans)``."""
 
     forward: Callable

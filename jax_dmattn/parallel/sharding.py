@@ -16,6 +16,10 @@ the kernels as steps. Any other sequence sharding is replicated (gathered) as be
 whose mask is a tuple gives each member its own operand and rule, and the strictest holds for the
 call: one member whose rule names absolute positions (key or row ranges, block indices) keeps the
 sequence replicated, never a ring, whatever the others allow.
+The gate (``gate=(alpha, delta)``) shards alpha ``[B, Lq, H]`` with q's batch and heads and
+delta ``[B, Lk, Hk]`` with the batch and the kv heads (their sequences replicated); its
+threshold's block grid names absolute positions, so a gated call never runs as a ring either,
+and ddelta is summed over the head axes the kv heads are not sharded over, like dk / dv.
 A per-kv-head window table (``window_sizes``) names absolute positions too (its sinks), so such
 a call never runs as a ring; with the kv heads sharded each shard runs the rows of its own kv
 heads. Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly (there the
@@ -52,7 +56,7 @@ def _forward_impl(platform, params, opts, *operands):
 
 def _backward_impl(platform, params, opts, *operands):
     q, k, v = operands[:3]
-    bias = opts.split(operands[7:])[1]
+    bias = opts.split(operands[7:])[1]  # dalpha, ddelta: call_backward adds their shapes
     return tuple(_ffi.call_backward(platform, params, opts, *operands,
                                     grad_shapes=_grad_shapes(q, k, v, bias)))
 
@@ -108,13 +112,15 @@ class _Layout:
                 # sharded as one.
                 + (["ranges", "ranges"] if self.opts.has_key_ranges else [])
                 + (["ranges", "ranges"] if self.opts.has_row_ranges else [])
-                + (["blocks"] if self.opts.has_block_indices else []))
+                + (["blocks"] if self.opts.has_block_indices else [])
+                + (["alpha", "delta"] if self.opts.has_gate else []))
 
     def absolute_positions(self) -> bool:
         """Whether an operand's rule names absolute sequence positions (segment ids, ranges,
-        block indices), which a ring over sequence chunks cannot shift."""
+        block indices, the gate threshold's block grid), which a ring over sequence chunks
+        cannot shift (the ring steps take no gate either)."""
         return (self.opts.has_segments or self.opts.has_key_ranges or self.opts.has_row_ranges
-                or self.opts.has_block_indices)
+                or self.opts.has_block_indices or self.opts.has_gate)
 
 
 def _shard_count(mesh, axes) -> int:
@@ -179,6 +185,10 @@ def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
         return PartitionSpec(*batch)
     if kind in ("qseg", "kvseg"):  # batch dims as q's, the sequence replicated (never a ring)
         return PartitionSpec(*batch, None)
+    if kind == "alpha":  # [*B, Lq, H]: the sequence replicated (never a ring)
+        return PartitionSpec(*batch, None, plan.heads)
+    if kind == "delta":  # [*B, Lk, Hk]
+        return PartitionSpec(*batch, None, plan.kv_heads)
     heads = shape[nb]
     if heads == layout.heads:
         axes = plan.heads
@@ -219,6 +229,8 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
         if opts.has_bias:
             bias_spec = arg_specs[layout.kinds().index("bias")]
             grad_specs.append(_gradient_spec(bias_spec, q_spec, nb - 1))
+        if opts.has_gate:
+            grad_specs += [arg_specs[layout.kinds().index(kind)] for kind in ("alpha", "delta")]
         result_specs = grad_specs
         psum_axes = [_reduced_axes(spec, q_spec) for spec in grad_specs]
         impl = _local_call(_backward_impl, platform, params, opts, mesh, plan)
@@ -347,6 +359,10 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
             return [*bat, lq]
         if kind == "kvseg":
             return [*bat, lk]
+        if kind == "alpha":  # [*B, Lq, H] (full batch)
+            return [*bat, lq, heads]
+        if kind == "delta":  # [*B, Lk, Hk]
+            return [*bat, lk, hk]
         nb = layout.num_batch
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
@@ -365,6 +381,9 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
         if opts.has_bias:
             bias_shape = shapes[layout.kinds().index("bias")]
             results.append(dims("bias", bias_shape, layout.num_batch - 1))
+        if opts.has_gate:
+            results += [dims(kind, shapes[layout.kinds().index(kind)])
+                        for kind in ("alpha", "delta")]
     rule = (", ".join(" ".join(x) for x in operands) + " -> "
             + ", ".join(" ".join(x) for x in results))
     # Shardy wants special factors in the order the rule first names them.
@@ -402,7 +421,8 @@ def kernel_forward(platform, params, opts, *operands):
 
 
 def kernel_backward(platform, params, opts, *operands):
-    """``[dq, dk, dv, (dbias)]`` through the platform's kernel, partitioned likewise."""
+    """``[dq, dk, dv, (dbias), (dalpha, ddelta)]`` through the platform's kernel, partitioned
+    likewise."""
     return list(_partitioned_backward(platform, params, opts, *operands))
 
 
