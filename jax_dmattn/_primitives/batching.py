@@ -1,7 +1,6 @@
 """vmap rules: each mapped axis becomes one more leading batch dim of the primitive.
 
-Attention: the gate's alpha and delta are O(L) and always get the full batch dims (an unmapped
-one is broadcast, and its per-example gradient summed by the transpose). An unmapped mask, bias, length, segment id, key or row range or block index array
+Attention: an unmapped mask, bias, length, segment id, key or row range or block index array
 gets a size-1 dim there (a free reshape) and is read with stride 0, so vmap never copies it (the
 block indices are one array, in no pair); k and v likewise when
 both are unmapped, and so are the two lengths, the two segment id arrays and the two key (or row)
@@ -9,7 +8,9 @@ range arrays (each pair is read through one set of batch strides: where only one
 mapped, the other is broadcast, O(L) int32). The query-shaped operands (q, and out/dout/lse/dlse
 in the backward) define the batch: one of them unmapped while another operand is mapped is
 broadcast, which copies a query-sized array, and so is k or v when only the other one is mapped
-(the kernels read k and v through one layout).
+(the kernels read k and v through one layout). The gate's alpha and delta are O(L) and always
+get the full batch dims (an unmapped one is broadcast; vmap's custom_vjp rule sums its
+per-example gradient).
 Dynamic attention's key-list helpers (the listed keys' gradient sum, the block range masks)
 broadcast any unmapped operand.
 """

@@ -236,9 +236,9 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_block_indices: bool = False, has_gate: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with key or row ranges, per-kv-head windows, block
-    indices or a gate, which the CUDA kernels do not read yet, alone or beside a mask and each other: the
-    first of them missing is the reason), implementation="cuda" raises and None warns once per
-    reason (then runs the pure-JAX reference)."""
+    indices or a gate, which the CUDA kernels do not read yet, alone or beside a mask and each
+    other: the first of them missing is the reason), implementation="cuda" raises and None warns
+    once per reason (then runs the pure-JAX reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
