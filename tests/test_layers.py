@@ -168,6 +168,10 @@ def reference_layer(p: dict, x: jax.Array, window: int, rope: bool,
     mask = jnp.repeat(mask, group, 1)
     logits = (jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, 2)) / np.sqrt(D)
               + jnp.repeat(score, group, 1)[:, :, None, :])
+    if "a_proj" in p:  # a gated layer: + logsigmoid(alpha_i delta_j)
+        alpha = jnp.swapaxes(x @ p["a_proj"], 1, 2)  # [B, H, L]
+        delta = jnp.repeat(jnp.swapaxes(x @ p["d_proj"], 1, 2), group, 1)  # [B, H, L]
+        logits = logits + jax.nn.log_sigmoid(alpha[..., :, None] * delta[..., None, :])
     probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.repeat(v, group, 2)).reshape(b, n, H * D)
     return out @ p["o_proj"]
@@ -552,3 +556,112 @@ def test_bad_segment_ids_raise():
                               kv_segment_ids=np.zeros((2, 6), np.int32))
     with pytest.raises(ValueError, match="together"):
         dma_flax.attention_fn(q, q, q, q_segment_ids=np.zeros((2, 6), np.int32))
+
+
+# ---- gated layers (gated=True: the gate of gated attention from a_proj / d_proj) --------------
+
+GATED_NAMES = (*PARAM_NAMES, "a_proj", "d_proj")
+
+
+def make_gated_nnx_layer(window: int, seed: int = 0) -> dma_flax.DynamicMaskAttention:
+    layer = dma_flax.DynamicMaskAttention(HIDDEN, H, num_kv_heads=HK, head_dim=D, window=window,
+                                          gated=True, rngs=nnx.Rngs(seed))
+    layer.A[...] = jnp.array([0.7, -1.3], jnp.float32)
+    # Large enough gates that logsigmoid matters (init scale ~1/sqrt(hidden) gives |x W| ~ 1).
+    layer.a_proj.kernel[...] = layer.a_proj.kernel[...] * 3.0
+    return layer
+
+
+def gated_params(layer: dma_flax.DynamicMaskAttention) -> dict[str, jax.Array]:
+    out = {n: getattr(layer, n).kernel[...] for n in GATED_NAMES}
+    out["A"] = layer.A[...]
+    return out
+
+
+@pytest.mark.parametrize("window", [5, L], ids=["window5", "windowL"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_gated_nnx_layer_matches_plain_jax(window, packed):
+    """gated=True adds a_proj (hidden -> H) and d_proj (hidden -> Hk): the layer equals the
+    plain-JAX float64 layer whose logits gain logsigmoid(alpha_i delta_j), alpha = x Wa and
+    delta = x Wd, gradients of every parameter (a_proj and d_proj included) and of x too; with
+    and without packed rows."""
+    layer, x = make_gated_nnx_layer(window), layer_input()
+    ids = jnp.asarray(packed_segment_ids(3)) if packed else None
+    assert getattr(make_nnx_layer(window), "a_proj", None) is None  # not without gated
+    w = normal(x.shape, 2)
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, segment_ids=ids) * w)
+
+    g_state, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+    got = gated_params(nnx.merge(graphdef, g_state))
+    got["x"] = g_x
+    got["out"] = nnx.jit(lambda m, x: m(x, segment_ids=ids))(layer, x)
+
+    def ref_loss(p, x):
+        return jnp.sum(reference_layer(p, x, window, rope=True, segment_ids=ids) * w)
+
+    p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), gated_params(layer))
+    ref_p, ref_x = reference_jit(jax.grad(ref_loss, argnums=(0, 1)))(p64, x.astype(jnp.float64))
+    ref = {**ref_p, "x": ref_x,
+           "out": reference_jit(reference_layer, static_argnames=("window", "rope"))(
+               p64, x.astype(jnp.float64), window, True, ids)}
+    assert set(got) == set(ref)
+    for name in ref:
+        assert_close(f"d{name}", got[name], ref[name], 1e-4)
+    assert float(jnp.abs(got["a_proj"]).min()) > 0 and float(jnp.abs(got["d_proj"]).min()) > 0
+
+
+def test_gated_twins_match_nnx():
+    """The gated Linen and Equinox layers equal the gated NNX layer given its parameters, output
+    and gradients; a gated NNX layer refuses a KV cache."""
+    window = 6
+    layer, x = make_gated_nnx_layer(window), layer_input()
+    p = gated_params(layer)
+    graphdef, state = nnx.split(layer)
+
+    def nnx_loss(state):
+        out = nnx.merge(graphdef, state)(x)
+        return jnp.sum(out**2), out
+
+    grads, want = jax.jit(jax.grad(nnx_loss, has_aux=True))(state)
+    want_grads = gated_params(nnx.merge(graphdef, grads))
+
+    linen_layer = dma_flax.DynamicMaskAttentionLinen(HIDDEN, H, window, num_kv_heads=HK,
+                                                     head_dim=D, gated=True)
+    variables = {"params": {**{n: {"kernel": p[n]} for n in GATED_NAMES}, "A": p["A"]}}
+    init = jax.eval_shape(linen_layer.init, jax.random.PRNGKey(0), x)
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, variables)
+
+    def linen_loss(variables):
+        out = linen_layer.apply(variables, x)
+        return jnp.sum(out**2), out
+
+    l_grads, got = jax.jit(jax.grad(linen_loss, has_aux=True))(variables)
+    assert_close("linen", got, want, TOL_FP32)
+    for n in GATED_NAMES:
+        assert_close(f"linen d{n}", l_grads["params"][n]["kernel"], want_grads[n], TOL_FP32)
+
+    eqx_layer = eqx.filter_eval_shape(
+        dma_eqx.DynamicMaskAttention, HIDDEN, H, num_kv_heads=HK, head_dim=D, window=window,
+        dtype=jnp.float32, gated=True, key=jax.random.PRNGKey(9))
+    eqx_layer = eqx.tree_at(lambda m: [getattr(m, n).weight for n in GATED_NAMES] + [m.A],
+                            eqx_layer, [p[n].T for n in GATED_NAMES] + [p["A"]])
+
+    @eqx.filter_jit
+    def run(m):
+        def loss(m):
+            out = m(x)
+            return jnp.sum(out**2), out
+        return eqx.filter_grad(loss, has_aux=True)(m)
+
+    e_grads, got = run(eqx_layer)
+    assert_close("equinox", got, want, TOL_FP32)
+    for n in GATED_NAMES:
+        assert_close(f"equinox d{n}", getattr(e_grads, n).weight.T, want_grads[n], TOL_FP32)
+    plain = dma_eqx.DynamicMaskAttention(HIDDEN, H, window=4, key=jax.random.PRNGKey(0))
+    assert plain.a_proj is None and plain.d_proj is None
+
+    with pytest.raises(NotImplementedError, match="no KV cache"):
+        layer.init_cache(B, L)

@@ -15,6 +15,14 @@ The layer (the paper's "Dynamic Mask Attention", as in the Doge models of flash-
 * ``flash_dmattn(q, k, v, mask, bias, is_causal=True)``: the bias gets its gradient from the
   kernel's dbias, then the output projection.
 
+Gated layers (``gated=True``): two more projections of the layer input give the gate of gated
+attention, ``alpha = x Wa`` (``hidden -> H``, one value per token and query head) and
+``delta = x Wd`` (``hidden -> Hk``, per token and kv head), so that the logits gain
+``logsigmoid(alpha_i · delta_j)`` (``flash_dmattn``'s ``gate=``; upstream's gated layer also
+projects one scalar per token and head). The compact-key path takes no gate, so gated calls give
+the top-``window`` mask to ``flash_dmattn`` in its O(L) form (``masks.topk_key_ranges``, key
+ranges: no ``[L, L]`` array) beside the gate.
+
 Packed batches: with ``segment_ids [B, L]`` (one id per token; each maximal run of equal ids is
 one document) every document is attended as if it were alone in its row: its queries see only
 its own keys (``flash_dmattn``'s segment ids), each query keeps the top-``window`` keys of its
@@ -207,9 +215,17 @@ def project(x: jax.Array, positions: jax.Array | None, *, q_proj: Projection,
     return q, k, v, bias
 
 
+def gate_values(x: jax.Array, a_proj: Projection,
+                d_proj: Projection) -> tuple[jax.Array, jax.Array]:
+    """The gate of a gated layer: ``alpha = a_proj(x)`` ``[B, L, H]`` and ``delta = d_proj(x)``
+    ``[B, L, Hk]`` of the tokens ``x [B, L, hidden]``."""
+    return a_proj(x), d_proj(x)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: int,
            implementation: str | None = None,
-           segment_ids: jax.Array | None = None) -> jax.Array:
+           segment_ids: jax.Array | None = None,
+           gate: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Causal dynamic-mask attention over a whole sequence.
 
     Args:
@@ -220,20 +236,28 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: in
       segment_ids: optional int32 ``[B, L]`` (see :func:`check_segment_ids`): each document
         attends only to itself, with the top-``window`` keys of its own causal prefix; a dense
         ``[B, Hk, L, L]`` mask (see the module docstring).
+      gate: optional ``(alpha [B, L, H], delta [B, L, Hk])`` of a gated layer (see the module
+        docstring): without segment ids the mask goes to ``flash_dmattn`` as key ranges.
 
     Returns:
       ``[B, L, H·D]`` in q's dtype.
     """
     batch, length, heads, head_dim = q.shape
-    if segment_ids is None:
+    if segment_ids is None and gate is None:
         out = dynamic_attention(q, k, v, bias, window, implementation=implementation)
+    elif segment_ids is None:
+        mask = None
+        if window < length:
+            mask = masks.KeyRanges(*masks.topk_key_ranges(jax.lax.stop_gradient(bias), window))
+        out = flash_dmattn(q, k, v, mask, bias, is_causal=True, gate=gate,
+                           implementation=implementation)
     else:
         mask = None  # every visible key is kept: the segment ids and causality suffice
         if window < length:
             scores = document_scores(jax.lax.stop_gradient(bias), segment_ids)
             mask = masks.topk_mask(scores, window, is_causal=True, seqlen_q=length)
         out = flash_dmattn(q, k, v, mask, bias, q_segment_ids=segment_ids,
-                           kv_segment_ids=segment_ids, is_causal=True,
+                           kv_segment_ids=segment_ids, is_causal=True, gate=gate,
                            implementation=implementation)
     return out.reshape(batch, length, heads * head_dim)
 

@@ -35,7 +35,9 @@ class DynamicMaskAttention(eqx.Module):
     without bias; weights ``[out, in]``, the transpose of the Flax kernels) and ``A [Hk]``,
     initialised to ones (upstream: zeros; ones make the mask's choice of keys informative from
     the first step). No KV cache. With ``segment_ids`` (packed rows) each run of equal ids is
-    a document attended as if alone (see ``jax_dmattn.layers.common``).
+    a document attended as if alone (see ``jax_dmattn.layers.common``). With ``gated=True``,
+    ``a_proj`` (hidden → H) and ``d_proj`` (hidden → Hk) give the gate of gated attention from
+    the layer input (None otherwise).
     """
 
     q_proj: eqx.nn.Linear
@@ -44,6 +46,8 @@ class DynamicMaskAttention(eqx.Module):
     dt_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
     A: jax.Array
+    a_proj: eqx.nn.Linear | None
+    d_proj: eqx.nn.Linear | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -54,7 +58,7 @@ class DynamicMaskAttention(eqx.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, window: int,
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  rope: bool = True, rope_theta: float = 10000.0, dtype: Any = None,
-                 implementation: str | None = None, key: jax.Array):
+                 implementation: str | None = None, gated: bool = False, key: jax.Array):
         """Args:
           hidden_size: model width (input and output features).
           num_heads: query heads ``H``.
@@ -64,6 +68,7 @@ class DynamicMaskAttention(eqx.Module):
           rope: rotary position embeddings on q and k; rope_theta: their base.
           dtype: parameter dtype (Equinox's default floating dtype when None).
           implementation: ``flash_dmattn``'s (None: the best for the platform).
+          gated: add the gate projections ``a_proj`` and ``d_proj`` (gated attention).
           key: initialisation PRNG key.
         """
         self.num_kv_heads, self.head_dim = common.check_config(
@@ -83,6 +88,10 @@ class DynamicMaskAttention(eqx.Module):
         self.dt_proj = linear(kv, self.num_kv_heads)
         self.o_proj = linear(num_heads * self.head_dim, hidden_size)
         self.A = jnp.ones((self.num_kv_heads,), self.q_proj.weight.dtype)
+        # The gate's keys apart, so that a layer's other parameters do not depend on `gated`.
+        keys = iter(jax.random.split(jax.random.fold_in(key, 1), 2))
+        self.a_proj = linear(hidden_size, num_heads) if gated else None
+        self.d_proj = linear(hidden_size, self.num_kv_heads) if gated else None
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -112,6 +121,9 @@ class DynamicMaskAttention(eqx.Module):
             v_proj=_tokenwise(self.v_proj), dt_proj=_tokenwise(self.dt_proj), a=self.A,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             rope_theta=self.rope_theta, segment_ids=segment_ids)
-        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids)
+        gate = None
+        if self.a_proj is not None:
+            gate = common.gate_values(x, _tokenwise(self.a_proj), _tokenwise(self.d_proj))
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate)
         out = _tokenwise(self.o_proj)(out)
         return out[0] if unbatched else out

@@ -143,6 +143,10 @@ class DynamicMaskAttention(nnx.Module):
     initialised to ones (upstream uses zeros, which makes the bias, and so the mask's choice of
     keys, uninformative until ``A`` has moved; with ones it ranks keys from the first step).
 
+    With ``gated=True``, ``a_proj`` (hidden → H) and ``d_proj`` (hidden → Hk), without bias, give
+    the gate ``(alpha, delta)`` of gated attention from the layer input (see
+    ``jax_dmattn.layers.common``); such a layer has no KV cache.
+
     ``layer(x [B, L, hidden], positions=None, segment_ids=None) -> [B, L, hidden]``. After
     ``layer.init_cache(batch, max_length)``, calls decode: each call appends its tokens' keys,
     values, scores (and segment ids) to the cache and attends over the filled prefix, giving
@@ -157,7 +161,7 @@ class DynamicMaskAttention(nnx.Module):
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  rope: bool = True, rope_theta: float = 10000.0, dtype: Any = None,
                  param_dtype: Any = jnp.float32, implementation: str | None = None,
-                 rngs: nnx.Rngs):
+                 gated: bool = False, rngs: nnx.Rngs):
         """Args:
           hidden_size: model width (input and output features).
           num_heads: query heads ``H``.
@@ -168,6 +172,7 @@ class DynamicMaskAttention(nnx.Module):
           dtype: computation dtype (default: inferred from inputs and params).
           param_dtype: parameter dtype.
           implementation: ``flash_dmattn``'s (None: the best for the platform).
+          gated: add the gate projections ``a_proj`` and ``d_proj`` (gated attention).
           rngs: initialisation randomness.
         """
         self.num_kv_heads, self.head_dim = common.check_config(
@@ -187,6 +192,13 @@ class DynamicMaskAttention(nnx.Module):
         self.dt_proj = linear(kv, self.num_kv_heads)
         self.o_proj = linear(num_heads * self.head_dim, hidden_size)
         self.A = nnx.Param(jnp.ones((self.num_kv_heads,), param_dtype))
+        self.gated = gated
+        if gated:
+            self.a_proj = linear(hidden_size, num_heads)
+            self.d_proj = linear(hidden_size, self.num_kv_heads)
+        else:
+            self.a_proj: nnx.Linear | None = nnx.data(None)
+            self.d_proj: nnx.Linear | None = nnx.data(None)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cached_bias: nnx.Cache | None = nnx.data(None)
@@ -198,7 +210,10 @@ class DynamicMaskAttention(nnx.Module):
         `dtype` (default: the layer's dtype, else float32), scores ``[batch_size, Hk, 1,
         max_length]`` float32, segment ids ``[batch_size, max_length]`` int32 (0: tokens cached
         without ids count as segment 0) and the fill index. Later calls decode; together they
-        may append at most ``max_length`` tokens."""
+        may append at most ``max_length`` tokens. Not for a gated layer."""
+        if self.gated:
+            raise NotImplementedError("a gated DynamicMaskAttention has no KV cache yet (its "
+                                      "deltas would need one too); decode with gated=False")
         dtype = dtype or self.dtype or jnp.float32
         shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
@@ -233,8 +248,9 @@ class DynamicMaskAttention(nnx.Module):
                 dt_proj=self.dt_proj, a=self.A[...], num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 rope_theta=self.rope_theta, segment_ids=segment_ids)
+            gate = (common.gate_values(x, self.a_proj, self.d_proj) if self.gated else None)
             return self.o_proj(common.attend(q, k, v, bias, self.window, self.implementation,
-                                             segment_ids))
+                                             segment_ids, gate))
         start = self.cache_index[...]
         zero = jnp.zeros((), jnp.int32)
         kv_segment_ids = None
@@ -284,6 +300,8 @@ class DynamicMaskAttentionLinen(linen.Module):
       rope, rope_theta: rotary position embeddings on q and k, and their base.
       dtype, param_dtype: computation and parameter dtypes.
       implementation: ``flash_dmattn``'s (None: the best for the platform).
+      gated: add the gate projections ``a_proj`` (→ H) and ``d_proj`` (→ Hk) of gated
+        attention, as in :class:`DynamicMaskAttention`.
     """
 
     hidden_size: int
@@ -296,6 +314,7 @@ class DynamicMaskAttentionLinen(linen.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     implementation: str | None = None
+    gated: bool = False
 
     @linen.compact
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
@@ -321,5 +340,7 @@ class DynamicMaskAttentionLinen(linen.Module):
             dt_proj=dense(num_kv_heads, "dt_proj"), a=a, num_heads=self.num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
             rope_theta=self.rope_theta if self.rope else None, segment_ids=segment_ids)
-        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids)
+        gate = (common.gate_values(x, dense(self.num_heads, "a_proj"),
+                                   dense(num_kv_heads, "d_proj")) if self.gated else None)
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate)
         return dense(self.hidden_size, "o_proj")(out)
