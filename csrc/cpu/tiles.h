@@ -314,10 +314,10 @@ inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, cons
   return bound >= shape.gate_cut;
 }
 
-// Whether any (row, key) of the tile is visible: the gate threshold's block, the segment ids' spans, the key and row ranges,
-// the block indices and the diagonal/window rule first, then an OR over the mask entries they
-// leave (upstream's __syncthreads_or). A false answer means the tile is skipped: no K/V/bias
-// loads, no math. item_mask is null when there is no mask.
+// Whether any (row, key) of the tile is visible: the gate threshold's block, the segment ids'
+// spans, the key and row ranges, the block indices and the diagonal/window rule first, then an
+// OR over the mask entries they leave (upstream's __syncthreads_or). A false answer means the
+// tile is skipped: no K/V/bias loads, no math. item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
   if (t.rows == 0 || t.cols == 0 || !TileGateKept(shape, item, t) ||
