@@ -54,6 +54,7 @@ def flash_dmattn(
     window_sizes: WindowSizes = None,
     gate: Gate = None,
     gate_threshold: float | None = None,
+    softmax_threshold: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flash Dynamic Mask Attention: ``softmax(scale · Q Kᵀ + bias, masked) V``.
 
@@ -124,6 +125,28 @@ def flash_dmattn(
         each dropped pair's probability is below ``exp(gate_threshold)`` times what it would
         have without the gate (without softcap); a row with every pair dropped gives zeros and
         lse ``-inf``, like a masked row. Dropped pairs get no gradient.
+      softmax_threshold: ``None`` or ``0`` (exact attention) or a concrete float ``> 0``: tile
+        skipping as upstream's, on a fixed grid. Each query head's scores are cut into blocks of
+        ``SKIP_BLOCK_Q = 128`` rows × ``SKIP_BLOCK_K = 128`` keys from position 0 (the grid of
+        ``gate_threshold``). For each block of rows, the key blocks are visited in increasing key
+        order; block ``(qb, kb)`` is dropped when, for every row ``i`` of it, every visible
+        score ``s_ij`` there (the final logit, after bias, gate and softcap) is below
+        ``lse_i + log(softmax_threshold / n_i)``, where ``lse_i`` is the log-sum-exp of row
+        ``i``'s visible scores in the blocks ``(qb, kb' < kb)`` that were kept (``-inf`` before
+        the first), and ``n_i`` is the number of keys row ``i`` may see by position alone (the
+        key length, causality, the window and its kv head's window with sink; not the mask,
+        segment ids or other mask forms). A dropped block's pairs are hidden like masked ones
+        (no V read and no P·V in the forward, no dO / dP work in the backward; Q·Kᵀ still runs
+        on it), so a row's first block with a visible key is never dropped and no row loses
+        every key. The forward records the dropped blocks and the backward skips exactly those:
+        the gradients are exact for the function computed. Kernels of any tile shape or walk
+        order drop the same pairs. Error against exact attention (threshold ``None``): each
+        dropped pair has exact probability below ``softmax_threshold / n_i``, the dropped pairs
+        of a row hold exact probability ``m < t / (1 + t)`` (``t = softmax_threshold · d_i /
+        n_i``, ``d_i`` its dropped visible keys), lse is lower by ``-log(1 - m) < log(1 + t)``
+        and each output coordinate moves by at most ``m · (max_j v_jd - min_j v_jd)`` over the
+        row's visible keys. The CPU kernels take it; on a GPU the reference runs
+        (implementation='cuda' raises).
 
     Returns:
       ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key
@@ -150,6 +173,7 @@ def flash_dmattn(
         block_q=m.block_q,
         block_k=m.block_k,
         gate_threshold=threshold,
+        softmax_threshold=validation.check_softmax_threshold(softmax_threshold),
     )
     out, lse = core.attention(params, q, k, v, m.mask, validation.check_bias(bias, dims, q.dtype),
                               None, None, q_segments, kv_segments, m.key_start, m.key_end,
@@ -278,6 +302,7 @@ def dot_product_attention(
     window_sizes: WindowSizes = None,
     gate: Gate = None,
     gate_threshold: float | None = None,
+    softmax_threshold: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Drop-in for ``jax.nn.dot_product_attention`` with the same signature and semantics (plus
     keywords of its own at the end: the segment ids, ``window_sizes`` and the gate).
@@ -305,6 +330,9 @@ def dot_product_attention(
     ``gate=(alpha, delta)`` and ``gate_threshold`` (additions): gated attention as in
     :func:`flash_dmattn`, alpha ``[B, T, N]`` and delta ``[B, S, K]`` (``[T, N]`` and ``[S, K]``
     for 3-D inputs); the threshold's block grid starts at position 0 as there.
+    ``softmax_threshold`` (an addition): tile skipping as in :func:`flash_dmattn` (the grid
+    from position 0; ``n_i`` counts the keys that ``is_causal``, the window and the key length
+    leave row ``i``).
     ``implementation``: ``None``, ``"cuda"``, ``"cpu"`` or ``"xla"`` (``"cudnn"`` is
     ``jax.nn``'s own). Differs from ``jax.nn`` only where it is better: a query row with no
     visible key gives zeros (and residual ``-inf``), and masked tiles are skipped.
@@ -365,6 +393,7 @@ def dot_product_attention(
         block_q=m.block_q,
         block_k=m.block_k,
         gate_threshold=threshold,
+        softmax_threshold=validation.check_softmax_threshold(softmax_threshold),
     )
     out, lse = core.attention(params, q, k, v, m.mask, bias, q_lens, kv_lens, q_segments,
                               kv_segments, m.key_start, m.key_end, m.row_start, m.row_end,

@@ -13,6 +13,10 @@ IMPLEMENTATIONS = ("cuda", "cpu", "xla")
 # GATE_BLOCK_Q query rows × GATE_BLOCK_K keys from position 0, per (batch, query head).
 GATE_BLOCK_Q = 128
 GATE_BLOCK_K = 128
+# Softmax-threshold tile skipping decides on the same grid (csrc/common/params.h: kSkipBlockQ,
+# kSkipBlockK).
+SKIP_BLOCK_Q = GATE_BLOCK_Q
+SKIP_BLOCK_K = GATE_BLOCK_K
 
 
 def gate_cut(threshold: float | None) -> float:
@@ -46,6 +50,11 @@ class AttentionParams:
     ``logsigmoid(alpha[i, h] * delta[j, h // (H // Hk)])``; with ``gate_threshold`` (< 0) the
     pairs of every ``GATE_BLOCK_Q × GATE_BLOCK_K`` block (from position 0, per batch entry and
     query head) whose gate is below it at every pair are hidden too (see :func:`gate_cut`).
+
+    With ``softmax_threshold`` (> 0) the ``SKIP_BLOCK_Q × SKIP_BLOCK_K`` blocks of the same grid
+    whose scores are all negligible against the row's running log-sum-exp are dropped in a fixed
+    order (see ``reference.softmax_skip_blocks``); the forward returns which (the drop map) and
+    the backward skips exactly those.
     """
 
     scale: float
@@ -61,6 +70,8 @@ class AttentionParams:
     window_sizes: tuple[tuple[int, int, int], ...] | None = None
     # The gate's threshold on logsigmoid(alpha * delta) (< 0), or None (exact: nothing dropped).
     gate_threshold: float | None = None
+    # Softmax-threshold tile skipping (> 0), or None (exact: nothing dropped).
+    softmax_threshold: float | None = None
 
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
                        has_segments: bool = False, has_key_ranges: bool = False,
@@ -87,4 +98,5 @@ class AttentionParams:
             deterministic=self.deterministic,
             has_gate=has_gate,
             gate_cut=np.float64(gate_cut(self.gate_threshold)),
+            softmax_threshold=np.float64(self.softmax_threshold or 0.0),
         )

@@ -16,7 +16,8 @@ Shapes (leading batch dims ``*B`` may be several; other operands broadcast over 
   (floating), adds ``logsigmoid(alpha[i, h] * delta[j, h // (H // Hk)])`` to the logits (with
   the bias, before the softcap); ``params.gate_threshold`` hides the pairs of the blocks of the
   fixed ``GATE_BLOCK_Q × GATE_BLOCK_K`` grid it drops (:func:`gate_kept_blocks`), as the kernels
-  skip them.
+  skip them. ``params.softmax_threshold`` hides the pairs of the blocks of the same grid that
+  softmax-threshold skipping drops (:func:`softmax_skip_blocks`), or those of a given drop map.
   Returns
   out ``[*B, Lq, H, D]`` in q's dtype and lse ``[*B, H, Lq]`` (float32, or float64 for float64
   inputs).
@@ -32,7 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dmattn.params import GATE_BLOCK_K, GATE_BLOCK_Q, AttentionParams, gate_cut
+from jax_dmattn.params import (
+    GATE_BLOCK_K,
+    GATE_BLOCK_Q,
+    SKIP_BLOCK_K,
+    SKIP_BLOCK_Q,
+    AttentionParams,
+    gate_cut,
+)
 
 
 def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -126,6 +134,54 @@ def gate_kept_blocks(params: AttentionParams, alpha: jax.Array, delta: jax.Array
     return bound >= gate_cut(params.gate_threshold)
 
 
+def softmax_skip_blocks(threshold: float, s: jax.Array, visible: jax.Array,
+                        counts: jax.Array) -> jax.Array:
+    """Bool ``[..., ceil(Lq / SKIP_BLOCK_Q), ceil(Lk / SKIP_BLOCK_K)]``: the blocks that
+    softmax-threshold skipping drops, for scores ``s [..., Lq, Lk]`` (the final logits),
+    ``visible`` (bool, broadcastable to s) and ``counts [..., Lq]`` (``n_i``: the keys each row
+    may see by position alone; broadcastable).
+
+    For each block of rows, key blocks ``kb = 0, 1, ...`` in increasing order: block ``kb`` is
+    dropped when it holds a visible pair and, for every row ``i`` of it, every visible
+    ``s_ij`` there is below ``lse_i + log(threshold / n_i)``, ``lse_i`` the log-sum-exp of the
+    row's visible scores in the blocks before ``kb`` that were kept (``-inf`` before the first,
+    so the first block holding a visible key of some row is kept). Computed in s's dtype."""
+    s = jax.lax.stop_gradient(s)
+    *lead, seqlen_q, seqlen_k = s.shape
+    nqb, nkb = -(-seqlen_q // SKIP_BLOCK_Q), -(-seqlen_k // SKIP_BLOCK_K)
+    scores = jnp.where(jnp.broadcast_to(visible, s.shape), s, -jnp.inf)
+    scores = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, nqb * SKIP_BLOCK_Q - seqlen_q),
+                                                     (0, nkb * SKIP_BLOCK_K - seqlen_k)],
+                     constant_values=-jnp.inf)
+    blocks = scores.reshape(*lead, nqb, SKIP_BLOCK_Q, nkb, SKIP_BLOCK_K)
+    blocks = jnp.moveaxis(blocks, -2, 0)  # [nKB, ..., nQB, BQ, BK]
+    counts = jnp.broadcast_to(counts, (*lead, seqlen_q)).astype(s.dtype)
+    counts = jnp.pad(counts, [(0, 0)] * len(lead) + [(0, nqb * SKIP_BLOCK_Q - seqlen_q)])
+    counts = counts.reshape(*lead, nqb, SKIP_BLOCK_Q)
+    log_ratio = jnp.where(counts > 0, jnp.log(threshold / jnp.maximum(counts, 1)), 0)
+
+    def step(carry, block):
+        row_max, row_sum = carry  # [..., nQB, BQ]: the kept blocks so far
+        block_max = block.max(-1)
+        seen = block_max > -jnp.inf
+        has_sum = row_sum > 0
+        cut = jnp.where(has_sum, row_max + jnp.log(jnp.where(has_sum, row_sum, 1)) + log_ratio,
+                        -jnp.inf)
+        keep = (seen & (block_max >= cut)).any(-1)  # [..., nQB]
+        dropped = seen.any(-1) & ~keep
+        rows = keep[..., None] & seen
+        new_max = jnp.where(rows, jnp.maximum(row_max, block_max), row_max)
+        shift = jnp.where(new_max > -jnp.inf, new_max, 0)
+        added = jnp.exp(block - shift[..., None]).sum(-1)
+        new_sum = jnp.where(rows, row_sum * jnp.exp(row_max - shift) + added, row_sum)
+        return (new_max, new_sum), dropped
+
+    init = (jnp.full((*lead, nqb, SKIP_BLOCK_Q), -jnp.inf, s.dtype),
+            jnp.zeros((*lead, nqb, SKIP_BLOCK_Q), s.dtype))
+    _, dropped = jax.lax.scan(step, init, blocks)  # [nKB, ..., nQB]
+    return jnp.moveaxis(dropped, 0, -1)
+
+
 def attention(
     params: AttentionParams,
     q: jax.Array,
@@ -144,8 +200,14 @@ def attention(
     block_indices: jax.Array | None = None,
     alpha: jax.Array | None = None,
     delta: jax.Array | None = None,
+    *,
+    drop_map: jax.Array | None = None,
+    return_drop_map: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``."""
+    """Attention output ``[*B, Lq, H, D]`` and its log-sum-exp ``[*B, H, Lq]``; with
+    ``return_drop_map`` (and ``params.softmax_threshold``) also the drop map, uint8 ``[*B, H,
+    ceil(Lq / SKIP_BLOCK_Q), ceil(Lk / SKIP_BLOCK_K)]``. A given ``drop_map`` (the forward's)
+    is applied in place of the rule (the backward of the kernels' reference fallback)."""
     *_, seqlen_q, num_heads, _ = q.shape
     seqlen_k, num_kv_heads = k.shape[-3], k.shape[-2]
     group = num_heads // num_kv_heads
@@ -194,6 +256,22 @@ def attention(
                           GATE_BLOCK_K, axis=-1)[..., :seqlen_k]
         visible = visible & kept
 
+    dropped = None
+    if drop_map is not None:
+        dropped = drop_map.astype(bool)
+        dropped = dropped.reshape(*dropped.shape[:-3], num_kv_heads, group, *dropped.shape[-2:])
+    elif params.softmax_threshold is not None:
+        positional = jnp.expand_dims(visibility(params, seqlen_q, seqlen_k, q_lens, kv_lens),
+                                     (-4, -3))
+        if params.window_sizes is not None:
+            positional = positional & head_windows(params, seqlen_q, seqlen_k)[:, None]
+        counts = positional.sum(-1)  # n_i: [*B|1, Hk|1, 1, Lq]
+        dropped = softmax_skip_blocks(params.softmax_threshold, s, visible, counts)
+    if dropped is not None:
+        hidden = jnp.repeat(jnp.repeat(dropped, SKIP_BLOCK_Q, axis=-2)[..., :seqlen_q, :],
+                            SKIP_BLOCK_K, axis=-1)[..., :seqlen_k]
+        visible = visible & ~hidden
+
     row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
     # exp(-inf) = 0 with a zero derivative: masked logits never feed NaN into gradients.
@@ -208,4 +286,10 @@ def attention(
     lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), -jnp.inf)[..., 0]  # [*B, Hk, G, Lq]
     lse = lse.reshape(*lse.shape[:-3], num_heads, seqlen_q)
     lse = jnp.broadcast_to(lse, (*q.shape[:-3], num_heads, seqlen_q))
+    if return_drop_map:
+        if dropped is None:
+            raise ValueError("return_drop_map needs params.softmax_threshold")
+        dropped = jnp.broadcast_to(dropped, (*q.shape[:-3], *dropped.shape[-4:]))
+        drops = dropped.reshape(*q.shape[:-3], num_heads, *dropped.shape[-2:])
+        return out, lse.astype(dtype), drops.astype(jnp.uint8)
     return out, lse.astype(dtype)

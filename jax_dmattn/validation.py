@@ -369,6 +369,26 @@ def check_window_sizes(window_sizes, dims: Dims) -> tuple[tuple[int, int, int], 
     return tuple(rows)
 
 
+def check_softmax_threshold(softmax_threshold) -> float | None:
+    """``softmax_threshold``: None or a concrete finite float ``>= 0`` (static: it decides which
+    blocks the kernels skip). 0 drops nothing and is returned as None (exact attention)."""
+    if softmax_threshold is None:
+        return None
+    if (isinstance(softmax_threshold, jax.core.Tracer) or isinstance(softmax_threshold, bool)
+            or not np.isscalar(softmax_threshold)
+            or not np.issubdtype(np.asarray(softmax_threshold).dtype, np.number)
+            or np.iscomplexobj(softmax_threshold)):
+        raise TypeError(f"softmax_threshold must be None or a concrete Python float >= 0 (it "
+                        f"decides which blocks the kernels skip, so it is static), got "
+                        f"{softmax_threshold!r}")
+    threshold = float(softmax_threshold)
+    if not threshold >= 0 or not math.isfinite(threshold):
+        raise ValueError(f"softmax_threshold must be a finite float >= 0 (a multiple of the "
+                         f"uniform probability 1 / n_i; 0 or None: exact), got "
+                         f"{softmax_threshold!r}")
+    return threshold if threshold > 0 else None
+
+
 def check_gate(gate, gate_threshold, dims: Dims,
                dtype) -> tuple[jax.Array | None, jax.Array | None, float | None]:
     """The gate of gated attention: ``gate=(alpha, delta)``, floating alpha ``[B, Lq, H]`` (one

@@ -20,7 +20,7 @@ from jax_dmattn import dot_product_attention, flash_dmattn
 
 def test_same_signature_as_jax_nn():
     """jax.nn's parameters in its order, then only our keyword-only segment ids, per-kv-head
-    window table and gate with its threshold (default None)."""
+    window table, gate with its threshold and softmax threshold (default None)."""
     ours = inspect.signature(dot_product_attention).parameters
     theirs = inspect.signature(jax.nn.dot_product_attention).parameters
     assert list(ours)[:len(theirs)] == list(theirs)
@@ -29,7 +29,7 @@ def test_same_signature_as_jax_nn():
         assert ours[name].default == p.default, name
     extra = list(ours)[len(theirs):]
     assert extra == ["q_segment_ids", "kv_segment_ids", "window_sizes", "gate",
-                     "gate_threshold"], extra
+                     "gate_threshold", "softmax_threshold"], extra
     for name in extra:
         assert ours[name].kind == inspect.Parameter.KEYWORD_ONLY and ours[name].default is None
 

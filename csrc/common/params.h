@@ -32,6 +32,9 @@ constexpr int64_t MaskBitsRowBytes(int64_t cols) { return (cols + 127) / 128 * 1
 // blocks, so results never depend on a kernel's tiles.
 constexpr int64_t kGateBlockQ = 128;
 constexpr int64_t kGateBlockK = 128;
+// Softmax-threshold tile skipping (AttentionShape::softmax_threshold) decides on the same grid.
+constexpr int64_t kSkipBlockQ = kGateBlockQ;
+constexpr int64_t kSkipBlockK = kGateBlockK;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -144,6 +147,16 @@ struct AttentionShape {
   // product whose logsigmoid is the user's threshold).
   bool has_gate = false;
   double gate_cut = -INFINITY;
+  // Softmax-threshold skipping (> 0; 0: exact). The forward walks each kSkipBlockQ-row block's
+  // kSkipBlockQ × kSkipBlockK blocks of the grid above in increasing key order and drops a block
+  // (no V read, no P·V) when every visible score s_ij there is below
+  //   running_lse_i + log(softmax_threshold / n_i)
+  // for every row i of the block, running_lse_i the log-sum-exp of row i's visible scores in the
+  // blocks kept before it (-inf before the first: a row's first block with a visible key is
+  // never dropped) and n_i the number of keys row i may see by position alone
+  // (RowKeys: Lk or kv_len, causality, the window, its kv head's window and sink). It writes
+  // drop_map (1 = dropped) and the backward skips exactly those blocks.
+  double softmax_threshold = 0.0;
   bool deterministic = false;
 
   DMATTN_HD int64_t batch_count() const { return batch.count(); }
@@ -170,6 +183,13 @@ struct AttentionShape {
   }
   DMATTN_HD int64_t delta_offset(int64_t b, int64_t kv_head) const {
     return b * seqlen_k * num_kv_heads + kv_head;
+  }
+  // The drop map of softmax-threshold skipping: uint8 [*batch, H, ceil(Lq / kSkipBlockQ),
+  // ceil(Lk / kSkipBlockK)].
+  DMATTN_HD int64_t skip_rows() const { return (seqlen_q + kSkipBlockQ - 1) / kSkipBlockQ; }
+  DMATTN_HD int64_t skip_cols() const { return (seqlen_k + kSkipBlockK - 1) / kSkipBlockK; }
+  DMATTN_HD int64_t drop_map_offset(int64_t b, int64_t h) const {
+    return (b * num_heads + h) * skip_rows() * skip_cols();
   }
 
   // The first key past the keys row i may see from the diagonal/window rule alone (no mask, no
@@ -206,6 +226,7 @@ struct ForwardArgs {
   const float* delta = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  uint8_t* drop_map = nullptr;  // softmax-threshold skipping's dropped blocks, or null
   bool out_f32 = false;  // out is float32 (the backward's residual), else q's dtype
   const uint8_t* mask_map = nullptr;  // CUDA, with a mask: its block map (cuda/attention.h)
   const uint8_t* mask_bits = nullptr;  // CUDA, with a mask: the mask packed to bits (same)
@@ -239,6 +260,7 @@ struct BackwardArgs {
   const int32_t* block_indices = nullptr;  // block indices, or null
   const float* alpha = nullptr;  // the gate, or null
   const float* delta = nullptr;
+  const uint8_t* drop_map = nullptr;  // the forward's dropped blocks, or null
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

@@ -1,8 +1,12 @@
 // Forward: out, lse <- softmax(scale·q·kᵀ + bias, masked) · v, one task per (batch, head,
-// query block), an online softmax over the visible key tiles.
+// query block), an online softmax over the visible key tiles. With a softmax threshold, one task
+// per (batch, head, kSkipBlockQ rows) walks the kSkipBlockK-key blocks in increasing key order,
+// deciding each block from all its tiles' scores before any of them enters the softmax
+// (common/params.h: softmax_threshold), and records the dropped blocks.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/attention.h"
 #include "cpu/element_types.h"
@@ -37,10 +41,12 @@ struct ForwardTiles {
 
 // One online-softmax step: folds the tile's scores (turned into exp(s - running max) in place)
 // into the running max and sum of each row, rescaling the output rows accumulated so far.
-void OnlineSoftmaxStep(const Tile& t, int64_t dp, ForwardTiles& tiles) {
+// `scores`: the tile's scores (tiles.s by default).
+void OnlineSoftmaxStep(const Tile& t, int64_t dp, ForwardTiles& tiles, float* scores = nullptr) {
   const int64_t cols = t.padded_cols();
+  if (scores == nullptr) scores = tiles.s.get();
   for (int64_t r = 0; r < t.padded_rows(); ++r) {
-    float* __restrict p = tiles.s.get() + r * kBlockN;
+    float* __restrict p = scores + r * kBlockN;
     const float old_max = tiles.row_max[r];
     const float new_max = std::fmax(old_max, RowMax(p, cols));
     // While a row has seen no visible key its max is -inf; shifting by 0 then keeps every exp()
@@ -86,26 +92,13 @@ void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
   }
 }
 
+// Writes every row of the block: rows with no visible key (row_sum 0, including rows past q_len)
+// get out = 0 and lse = -inf.
 template <typename T>
-void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b, int64_t h,
-                 int64_t qb) {
-  const HeadItem item = MakeHeadItem(shape, args, b, h);
+void WriteRows(const AttentionShape& shape, const ForwardArgs& args, const HeadItem& item,
+               const Tile& block, const ForwardTiles& tiles) {
   const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
   const int64_t q_stride = shape.q_row_stride();
-  const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile
-
-  ForwardTiles tiles(dp);
-  std::fill(tiles.row_max.get(), tiles.row_max.get() + kBlockM, -INFINITY);
-  std::fill(tiles.row_sum.get(), tiles.row_sum.get() + kBlockM, 0.f);
-  std::fill(tiles.o.get(), tiles.o.get() + kBlockM * dp, 0.f);
-  if (block.rows > 0) {
-    LoadRows(static_cast<const T*>(args.q) + item.q_offset + block.i0 * q_stride, q_stride,
-             block.rows, dim, shape.scale, tiles.q.get(), dp, block.padded_rows());
-    AttendToVisibleKeys<T>(shape, args, item, qb, tiles);
-  }
-
-  // Every row of the block is written: rows with no visible key (row_sum 0, including rows past
-  // q_len) get out = 0 and lse = -inf.
   const int64_t out_offset = item.q_offset + block.i0 * q_stride;
   float* lse = args.lse + item.lse_offset + block.i0;
   const int64_t block_rows = std::min(kBlockM, shape.seqlen_q - block.i0);
@@ -125,6 +118,149 @@ void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b
   }
 }
 
+// Zeroes the running state and loads the (scaled) query rows of `block`.
+template <typename T>
+void BeginRows(const AttentionShape& shape, const ForwardArgs& args, const HeadItem& item,
+               const Tile& block, ForwardTiles& tiles) {
+  const int64_t dp = PaddedHeadDim(shape), q_stride = shape.q_row_stride();
+  std::fill(tiles.row_max.get(), tiles.row_max.get() + kBlockM, -INFINITY);
+  std::fill(tiles.row_sum.get(), tiles.row_sum.get() + kBlockM, 0.f);
+  std::fill(tiles.o.get(), tiles.o.get() + kBlockM * dp, 0.f);
+  if (block.rows > 0)
+    LoadRows(static_cast<const T*>(args.q) + item.q_offset + block.i0 * q_stride, q_stride,
+             block.rows, shape.head_dim, shape.scale, tiles.q.get(), dp, block.padded_rows());
+}
+
+template <typename T>
+void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b, int64_t h,
+                 int64_t qb) {
+  const HeadItem item = MakeHeadItem(shape, args, b, h);
+  const int64_t dp = PaddedHeadDim(shape);
+  const Tile block = MakeTile(item, qb, 0);  // its rows; the keys vary per tile
+
+  ForwardTiles tiles(dp);
+  BeginRows<T>(shape, args, item, block, tiles);
+  if (block.rows > 0) AttendToVisibleKeys<T>(shape, args, item, qb, tiles);
+
+  WriteRows<T>(shape, args, item, block, tiles);
+}
+
+
+// Softmax-threshold skipping (common/params.h: softmax_threshold): the kSkipBlockQ rows `sb` of
+// one item, as kHalves query tiles in lockstep over the kSkipBlockK-key blocks in increasing key
+// order. A block's visible tiles are all scored first; the block is dropped (no V load, no P·V,
+// not folded into the running max and sum) when no row of it has a visible score at or above
+// running_lse_i + log(threshold / n_i), else its tiles enter the online softmax in key order.
+template <typename T>
+void SkipForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b, int64_t h,
+                     int64_t sb) {
+  constexpr int64_t kHalves = kSkipBlockQ / kBlockM, kParts = kSkipBlockK / kBlockN;
+  const HeadItem item = MakeHeadItem(shape, args, b, h);
+  const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
+  const int64_t kv_stride = shape.kv_row_stride();
+  const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;
+  const T* bias =
+      args.bias != nullptr ? static_cast<const T*>(args.bias) + item.bias_offset : nullptr;
+  const T* k = static_cast<const T*>(args.k) + item.kv_offset;
+  const T* v = static_cast<const T*>(args.v) + item.kv_offset;
+  uint8_t* drops = args.drop_map + shape.drop_map_offset(b, h) + sb * shape.skip_cols();
+  std::fill_n(drops, shape.skip_cols(), uint8_t{0});
+
+  std::vector<ForwardTiles> tiles;
+  std::vector<FloatBuffer> scores, kt, vt;
+  Tile rows[kHalves];
+  float log_ratio[kHalves][kBlockM];  // log(threshold / n_i), rows with n_i > 0
+  Range keys;
+  bool any_keys = false;
+  for (int64_t half = 0; half < kHalves; ++half) {
+    tiles.emplace_back(dp);
+    rows[half] = MakeTile(item, sb * kHalves + half, 0);
+    BeginRows<T>(shape, args, item, rows[half], tiles[half]);
+    for (int64_t r = 0; r < rows[half].rows; ++r) {
+      const int64_t n = PositionalKeyCount(shape, item, rows[half].i0 + r);
+      log_ratio[half][r] =
+          n > 0 ? static_cast<float>(std::log(shape.softmax_threshold / static_cast<double>(n)))
+                : 0.f;
+    }
+    const Range r = VisibleKeysOfRows(shape, item, rows[half].i0, rows[half].rows);
+    if (r.empty()) continue;
+    keys.begin = any_keys ? std::min(keys.begin, r.begin) : r.begin;
+    keys.end = any_keys ? std::max(keys.end, r.end) : r.end;
+    any_keys = true;
+  }
+  for (int64_t n = 0; n < kHalves * kParts; ++n)
+    scores.push_back(AllocateFloats(kBlockM * kBlockN));
+  for (int64_t p = 0; p < kParts; ++p) {
+    kt.push_back(AllocateFloats(dp * kBlockN));
+    vt.push_back(AllocateFloats(kBlockN * dp));
+  }
+
+  const int64_t sk_end = any_keys ? NumBlocks(keys.end, kSkipBlockK) : 0;
+  for (int64_t sk = any_keys ? keys.begin / kSkipBlockK : 0; sk < sk_end; ++sk) {
+    bool visible[kHalves][kParts] = {};
+    bool any_visible = false;
+    for (int64_t p = 0; p < kParts; ++p) {
+      bool loaded = false;
+      for (int64_t half = 0; half < kHalves; ++half) {
+        const Tile t = MakeTile(item, sb * kHalves + half, sk * kParts + p);
+        if (!TileHasVisibleKey(shape, item, mask, t)) continue;
+        if (!loaded) {
+          LoadTransposed(k + t.j0 * kv_stride, kv_stride, t.cols, dim, kt[p].get(), kBlockN,
+                         t.padded_cols());
+          loaded = true;
+        }
+        ComputeScores(shape, item, mask, bias, t, tiles[half].q.get(), dp, kt[p].get(),
+                      scores[half * kParts + p].get(), nullptr);
+        visible[half][p] = any_visible = true;
+      }
+    }
+    if (!any_visible) continue;
+    // The decision: does some row hold a visible score at or above its cut?
+    bool keep = false;
+    for (int64_t half = 0; half < kHalves && !keep; ++half) {
+      const ForwardTiles& state = tiles[half];
+      for (int64_t r = 0; r < rows[half].rows && !keep; ++r) {
+        const float sum = state.row_sum[r];
+        const float cut =
+            sum > 0.f ? state.row_max[r] + std::log(sum) + log_ratio[half][r] : -INFINITY;
+        for (int64_t p = 0; p < kParts && !keep; ++p) {
+          if (!visible[half][p]) continue;
+          const Tile t = MakeTile(item, sb * kHalves + half, sk * kParts + p);
+          const float* srow = scores[half * kParts + p].get() + r * kBlockN;
+          for (int64_t c = 0; c < t.cols; ++c) {
+            if (srow[c] > -INFINITY && srow[c] >= cut) {
+              keep = true;
+              break;
+            }
+          }
+        }
+      }
+    }
+    if (!keep) {
+      drops[sk] = 1;
+      continue;
+    }
+    for (int64_t p = 0; p < kParts; ++p) {
+      bool loaded = false;
+      for (int64_t half = 0; half < kHalves; ++half) {
+        if (!visible[half][p]) continue;
+        const Tile t = MakeTile(item, sb * kHalves + half, sk * kParts + p);
+        if (!loaded) {
+          LoadRows(v + t.j0 * kv_stride, kv_stride, t.cols, dim, 1.f, vt[p].get(), dp, t.cols);
+          loaded = true;
+        }
+        float* s = scores[half * kParts + p].get();
+        OnlineSoftmaxStep(t, dp, tiles[half], s);
+        GemmAccumulate(t.padded_rows(), dp, t.cols, s, kBlockN, 1, vt[p].get(), dp,
+                       tiles[half].o.get(), dp);
+      }
+    }
+  }
+  for (int64_t half = 0; half < kHalves; ++half) {
+    if (rows[half].i0 < shape.seqlen_q) WriteRows<T>(shape, args, item, rows[half], tiles[half]);
+  }
+}
+
 }  // namespace
 
 void Forward(const AttentionShape& shape, const ForwardArgs& args,
@@ -133,6 +269,14 @@ void Forward(const AttentionShape& shape, const ForwardArgs& args,
   const int64_t q_blocks = NumBlocks(shape.seqlen_q, kBlockM);
   DispatchElementType(shape.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    if (shape.softmax_threshold > 0.0) {
+      const int64_t skip_rows = shape.skip_rows();
+      parallel_for(items * skip_rows, [&](int64_t task) {
+        const int64_t sb = skip_rows - 1 - task / items, item = task % items;
+        SkipForwardTask<T>(shape, args, item / shape.num_heads, item % shape.num_heads, sb);
+      });
+      return;
+    }
     // Last query blocks first: under a causal rule they see the most keys, and starting the
     // longest tasks first shortens the tail.
     parallel_for(items * q_blocks, [&](int64_t task) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common/params.h"
 #include "cpu/gemm.h"
@@ -21,6 +22,10 @@ constexpr int64_t kBlockN = 64;  // keys per tile; also the row stride of score 
 // skipped exactly when its block is dropped: no tile ever holds dropped and kept blocks.
 static_assert(kGateBlockQ % kBlockM == 0 && kGateBlockK % kBlockN == 0,
               "CPU tiles must nest in the gate grid");
+// Likewise for softmax-threshold skipping's grid: the forward decides a whole block from its
+// kSkipBlockQ / kBlockM × kSkipBlockK / kBlockN tiles, the backward skips a tile by its block.
+static_assert(kSkipBlockQ % kBlockM == 0 && kSkipBlockK % kBlockN == 0,
+              "CPU tiles must nest in the softmax-threshold grid");
 
 inline int64_t NumBlocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
@@ -57,6 +62,9 @@ struct HeadItem {
   // delta[j * num_kv_heads]), or null.
   const float* alpha = nullptr;
   const float* delta = nullptr;
+  // The blocks the forward's softmax threshold dropped (this item's [ceil(Lq / kSkipBlockQ),
+  // ceil(Lk / kSkipBlockK)] rows of the drop map), in the backward only; else null.
+  const uint8_t* drop_map = nullptr;
 };
 
 // Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges, block
@@ -99,6 +107,9 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
   if (shape.has_gate) {
     item.alpha = args.alpha + shape.alpha_offset(b, h);
     item.delta = args.delta + shape.delta_offset(b, h / shape.heads_per_kv_head());
+  }
+  if constexpr (std::is_same_v<Args, BackwardArgs>) {
+    if (args.drop_map != nullptr) item.drop_map = args.drop_map + shape.drop_map_offset(b, h);
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -314,14 +325,30 @@ inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, cons
   return bound >= shape.gate_cut;
 }
 
-// Whether any (row, key) of the tile is visible: the gate threshold's block, the segment ids'
-// spans, the key and row ranges, the block indices and the diagonal/window rule first, then an
-// OR over the mask entries they leave (upstream's __syncthreads_or). A false answer means the
-// tile is skipped: no K/V/bias loads, no math. item_mask is null when there is no mask.
+// Whether the forward's softmax threshold dropped the grid block of the tile (backward only).
+inline bool TileDropped(const AttentionShape& shape, const HeadItem& item, const Tile& t) {
+  return item.drop_map != nullptr &&
+         item.drop_map[t.i0 / kSkipBlockQ * shape.skip_cols() + t.j0 / kSkipBlockK] != 0;
+}
+
+// The number of keys row i may see by position alone (kv_len, the diagonal/window rule, its kv
+// head's window and sink; no mask): n_i of softmax-threshold skipping (common/params.h).
+inline int64_t PositionalKeyCount(const AttentionShape& shape, const HeadItem& item, int64_t i) {
+  const RowKeys keys = VisibleKeys(shape, item, i);
+  return std::max<int64_t>(keys.low.end - keys.low.begin, 0) +
+         std::max<int64_t>(keys.high.end - keys.high.begin, 0);
+}
+
+// Whether any (row, key) of the tile is visible: the forward's softmax-threshold drops, the
+// gate threshold's block, the segment ids' spans, the key and row ranges, the block indices and
+// the diagonal/window rule first, then an OR over the mask entries they leave (upstream's
+// __syncthreads_or). A false answer means the tile is skipped: no K/V/bias loads, no math.
+// item_mask is null when there is no mask.
 inline bool TileHasVisibleKey(const AttentionShape& shape, const HeadItem& item,
                               const bool* item_mask, const Tile& t) {
-  if (t.rows == 0 || t.cols == 0 || !TileGateKept(shape, item, t) ||
-      !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t) || !TileBlocksMeet(shape, item, t))
+  if (t.rows == 0 || t.cols == 0 || TileDropped(shape, item, t) ||
+      !TileGateKept(shape, item, t) || !TileSegmentsMeet(item, t) || !TileRangesMeet(item, t) ||
+      !TileBlocksMeet(shape, item, t))
     return false;
   // The rule's visible columns only move right down the rows, so it leaves the whole tile when
   // the last row starts at column 0 and the first row ends at the last column: the common case,

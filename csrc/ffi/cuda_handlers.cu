@@ -40,6 +40,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: the CUDA kernels do not take per-kv-head windows or sinks "
                       "yet (issue 27)");
   }
+  if (shape.softmax_threshold > 0.0) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: the CUDA kernels do not take softmax_threshold (tile "
+                      "skipping) yet (issue 27)");
+  }
   if (shape.has_gate) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels do not take a gate (gated attention) yet "

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 namespace dmattn {
 namespace ffi = xla::ffi;
@@ -152,6 +153,9 @@ ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->has_gate = attrs.has_gate;
   s->gate_cut = attrs.gate_cut;
   if (std::isnan(attrs.gate_cut)) return Invalid("gate_cut is NaN");
+  if (!(attrs.softmax_threshold >= 0.0) || std::isinf(attrs.softmax_threshold))
+    return Invalid("softmax_threshold must be finite and >= 0");
+  s->softmax_threshold = attrs.softmax_threshold;
   return DecodeHeadWindows(attrs.window_sizes, s);
 }
 
@@ -303,6 +307,20 @@ ffi::Error ExpectGateOperand(ffi::AnyBuffer x, const AttentionShape& s, int64_t 
                       DimsString(dims));
 }
 
+// softmax-threshold skipping's drop map: uint8 [*batch, H, ceil(Lq / kSkipBlockQ),
+// ceil(Lk / kSkipBlockK)], the query's batch dims in full.
+ffi::Error ExpectDropMap(ffi::AnyBuffer x, const AttentionShape& s) {
+  const auto dims = x.dimensions();
+  const int r = s.batch.rank;
+  bool ok = x.element_type() == ffi::DataType::U8 && static_cast<int>(dims.size()) == r + 3 &&
+            dims[r] == s.num_heads && dims[r + 1] == s.skip_rows() &&
+            dims[r + 2] == s.skip_cols();
+  for (int d = 0; ok && d < r; ++d) ok = dims[d] == s.batch.sizes[d];
+  return ok ? ffi::Error::Success()
+            : Invalid("drop_map must be uint8 [*batch, H, ceil(Lq / 128), ceil(Lk / 128)] with "
+                      "the query's batch dims, got " + DimsString(dims));
+}
+
 // The optional operands shared by forward and backward (the mask map last, after a mask) into
 // the call's pointers (ForwardArgs or BackwardArgs).
 template <typename Args>
@@ -373,6 +391,13 @@ ffi::Error DecodeOptionalOperands(Cursor& cursor, const AttentionAttrs& attrs,
       return e;
     p->alpha = static_cast<const float*>(alpha.untyped_data());
     p->delta = static_cast<const float*>(delta.untyped_data());
+  }
+  if constexpr (std::is_same_v<Args, BackwardArgs>) {
+    if (attrs.softmax_threshold > 0.0) {
+      DMATTN_ASSIGN_OR_RETURN(drops, cursor.Next("drop_map"));
+      if (auto e = ExpectDropMap(drops, *s); e.failure()) return e;
+      p->drop_map = static_cast<const uint8_t*>(drops.untyped_data());
+    }
   }
   if (mask_buffer && !cursor.done()) {
     DMATTN_ASSIGN_OR_RETURN(map, cursor.Next("mask_map"));
@@ -474,6 +499,11 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   if (auto e = ExpectLse(lse, *s, "lse"); e.failure()) return e;
   p->out = out.untyped_data();
   p->lse = static_cast<float*>(lse.untyped_data());
+  if (attrs.softmax_threshold > 0.0) {
+    DMATTN_ASSIGN_OR_RETURN(drops, results.Next("drop_map"));
+    if (auto e = ExpectDropMap(drops, *s); e.failure()) return e;
+    p->drop_map = static_cast<uint8_t*>(drops.untyped_data());
+  }
   return results.Workspaces(p->workspace, p->workspace_bytes);
 }
 

@@ -4,10 +4,10 @@
 //   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
 //                  [key_start, key_end], [row_start, row_end], [block_indices],
 //                  [alpha, delta], [mask_map, mask_bits]
-//            rets: out, lse, [platform workspaces]
+//            rets: out, lse, [drop_map], [platform workspaces]
 //   backward args: q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
 //                  [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-//                  [block_indices], [alpha, delta], [mask_map, mask_bits]
+//                  [block_indices], [alpha, delta], [drop_map], [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], [dalpha, ddelta], softmax_d, [platform workspaces]
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
@@ -42,6 +42,9 @@ struct AttentionAttrs {
   bool deterministic;
   bool has_gate;    // alpha, delta operands (and dalpha, ddelta results)
   double gate_cut;  // the gate threshold as a product alpha * delta; -inf: none
+  // Softmax-threshold skipping (> 0; 0: off): the forward's drop_map result, the backward's
+  // drop_map operand.
+  double softmax_threshold;
 };
 
 // A call's operands or results, in the order above.
@@ -92,4 +95,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_block_indices"),
     ::xla::ffi::StructMember<int64_t>("block_q"), ::xla::ffi::StructMember<int64_t>("block_k"),
     ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<bool>("has_gate"),
-    ::xla::ffi::StructMember<double>("gate_cut"));
+    ::xla::ffi::StructMember<double>("gate_cut"),
+    ::xla::ffi::StructMember<double>("softmax_threshold"));

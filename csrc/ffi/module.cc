@@ -59,6 +59,7 @@ nb::dict BuildInfo() {
   info["block_indices"] = true;  // and block indices (the CUDA kernels do not)
   info["window_sizes"] = true;  // and per-kv-head windows with sinks (the CUDA kernels do not)
   info["gate"] = true;  // and the gate of gated attention, with its threshold (likewise)
+  info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (likewise)
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};

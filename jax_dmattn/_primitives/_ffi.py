@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_dmattn.params import AttentionParams
+from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams
 
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
@@ -110,12 +110,12 @@ def local_gpu_compute_capability() -> str | None:
 # ---- calls ----------------------------------------------------------------------------------
 # Operand order and workspaces mirror csrc/ffi/decode.h: the fixed operands, then [mask], [bias],
 # [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-# [block_indices], [alpha, delta], then (CUDA) the mask's map and bits. Every operand
-# has the same number of leading batch dims (size 1 where it broadcasts); the kernels take at most
-# MAX_BATCH_DIMS of them, so neighbouring dims that every operand treats alike are merged first (a
-# free reshape). A CUDA call with a mask also takes the mask's block map, made by its own call
-# (``call_mask_map``): one jit holding a forward and its backward computes it once (XLA merges the
-# identical calls).
+# [block_indices], [alpha, delta], (backward) [drop_map], then (CUDA) the mask's map and bits. Every
+# operand has the same number of leading batch dims (size 1 where it broadcasts); the kernels take
+# at most MAX_BATCH_DIMS of them, so neighbouring dims that every operand treats alike are merged
+# first (a free reshape). A CUDA call with a mask also takes the mask's block map, made by its own
+# call (``call_mask_map``): one jit holding a forward and its backward computes it once (XLA merges
+# the identical calls).
 
 MAX_BATCH_DIMS = 4
 
@@ -167,16 +167,23 @@ def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], obje
 
 
 def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
-    """``[out, lse]`` from the platform's forward kernel."""
+    """``[out, lse, (drop_map)]`` from the platform's forward kernel."""
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, opts.out_dtype(q.dtype)), ((*batch, heads, seqlen_q), np.float32)]
+    if opts.has_drop_map:
+        results.append((_drop_map_shape(q.shape, k.shape[-3]), np.uint8))
     workspaces = None
     if platform == "cuda":
         extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
         workspaces = _cuda_forward_workspaces(opts)
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
+
+
+def _drop_map_shape(q_shape, seqlen_k: int) -> tuple[int, ...]:
+    *batch, seqlen_q, heads, _ = q_shape
+    return (*batch, heads, -(-seqlen_q // SKIP_BLOCK_Q), -(-seqlen_k // SKIP_BLOCK_K))
 
 
 def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *extras,

@@ -10,7 +10,7 @@ in the backward) define the batch: one of them unmapped while another operand is
 broadcast, which copies a query-sized array, and so is k or v when only the other one is mapped
 (the kernels read k and v through one layout). The gate's alpha and delta are O(L) and always
 get the full batch dims (an unmapped one is broadcast; vmap's custom_vjp rule sums its
-per-example gradient).
+per-example gradient). The backward's drop map (softmax-threshold skipping) likewise.
 Dynamic attention's key-list helpers (the listed keys' gradient sum, the block range masks)
 broadcast any unmapped operand.
 """
@@ -61,6 +61,8 @@ def _batch(primitive, query_like: frozenset[int], num_fixed: int):
     def rule(args, dims, **params):
         size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
         broadcast = set(query_like) | _gate_operands(params["opts"], num_fixed)
+        if params["opts"].drop_map(args) is not None:  # the backward's drop map: full batch
+            broadcast.add(len(args) - 1)
         for a, b in _pairs(params["opts"], num_fixed):
             if (dims[a] is None) != (dims[b] is None):
                 broadcast.update((a, b))

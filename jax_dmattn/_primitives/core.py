@@ -77,24 +77,28 @@ def vary_alike(*operands):
 def _attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
                key_end, row_start, row_end, block_indices, alpha, delta):
     out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end, block_indices, alpha, delta)
+                           key_start, key_end, row_start, row_end, block_indices, alpha,
+                           delta)[:2]
     return out, lse
 
 
 def _attention_fwd(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
                    key_start, key_end, row_start, row_end, block_indices, alpha, delta):
     # The residual out is float32 (see ops.Optionals); the caller gets q's dtype.
-    out, lse = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments,
-                           key_start, key_end, row_start, row_end, block_indices, alpha, delta,
-                           float32_out=True)
+    # With a softmax threshold the forward also returns its drop map, a residual that the
+    # backward reads (no gradient), so that both skip exactly the same blocks.
+    out, lse, *drop_map = ops.forward(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
+                                      kv_segments, key_start, key_end, row_start, row_end,
+                                      block_indices, alpha, delta, float32_out=True)
+    drop_map = drop_map[0] if drop_map else None
     residuals = (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start,
-                 key_end, row_start, row_end, block_indices, alpha, delta, out, lse)
+                 key_end, row_start, row_end, block_indices, alpha, delta, drop_map, out, lse)
     return (out.astype(q.dtype), lse), residuals
 
 
 def _attention_bwd(params, residuals, cotangents):
     (q, k, v, mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
-     row_end, block_indices, alpha, delta, out, lse) = residuals
+     row_end, block_indices, alpha, delta, drop_map, out, lse) = residuals
     dout, dlse = cotangents
     # the lengths, segment ids, key and row ranges and block indices: integer inputs
     no_grads = (None,) * 9
@@ -102,12 +106,13 @@ def _attention_bwd(params, residuals, cotangents):
         dq, dk, dv, _, dalpha, ddelta = ops.backward(
             params, q, k, v, out, dout, _unshifted_lse(lse, bias), dlse, mask, None, q_lens,
             kv_lens, q_segments, kv_segments, key_start, key_end, row_start, row_end,
-            block_indices, alpha, delta)
+            block_indices, alpha, delta, drop_map)
         return (dq, dk, dv, None, _row_shift_gradient(lse, dlse, bias), *no_grads, dalpha,
                 ddelta)
     dq, dk, dv, dbias, dalpha, ddelta = ops.backward(
         params, q, k, v, out, dout, lse, dlse, mask, bias, q_lens, kv_lens, q_segments,
-        kv_segments, key_start, key_end, row_start, row_end, block_indices, alpha, delta)
+        kv_segments, key_start, key_end, row_start, row_end, block_indices, alpha, delta,
+        drop_map)
     return dq, dk, dv, None, dbias, *no_grads, dalpha, ddelta
 
 

@@ -4,10 +4,14 @@ and the gradient of dynamic attention's key gathers (:func:`sum_listed_keys`).
 Operands (leading batch dims ``*B``: the API batch last, one more in front per vmap level):
   forward  ``q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
            [key_start, key_end], [row_start, row_end], [block_indices], [alpha, delta]``
-           -> ``out, lse``
+           -> ``out, lse, [drop_map]``
   backward ``q, k, v, out, dout, lse, dlse, [mask], [bias], [q_lens, kv_lens],
            [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
-           [block_indices], [alpha, delta]`` -> ``dq, dk, dv, [dbias], [dalpha, ddelta]``
+           [block_indices], [alpha, delta], [drop_map]`` -> ``dq, dk, dv, [dbias],
+           [dalpha, ddelta]``
+(with ``params.softmax_threshold``, the forward's drop map uint8 ``[*B, H, ceil(Lq / 128),
+ceil(Lk / 128)]``, 1 where it dropped a block, and the backward reads it, full over every batch
+dim);
 (the lengths int32 ``[*B]``, the segment ids int32 ``[*B, Lq]`` and ``[*B, Lk]``, the key ranges
 int32 ``[*B, H|Hk|1, 1, Lk]``: a mask broadcast over rows, the row ranges int32
 ``[*B, H|Hk|1, Lq, 1]``: a mask broadcast over columns, the block indices int32
@@ -44,7 +48,7 @@ from jax.sharding import PartitionSpec
 
 from jax_dmattn import reference
 from jax_dmattn._primitives import _ffi
-from jax_dmattn.params import AttentionParams
+from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams
 
 forward_p = Primitive("dmattn_fwd")
 forward_p.multiple_results = True
@@ -68,6 +72,8 @@ class Optionals(NamedTuple):
     has_row_ranges: bool = False
     has_block_indices: bool = False
     has_gate: bool = False
+    # Softmax-threshold skipping: the forward's drop_map result, the backward's last operand.
+    has_drop_map: bool = False
     float32_out: bool = False
 
     @classmethod
@@ -81,8 +87,10 @@ class Optionals(NamedTuple):
         """``[mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments], [key_start, key_end],
         [row_start, row_end], [block_indices], [alpha, delta]`` -> ``(mask, bias, q_lens,
         kv_lens, q_segments, kv_segments, key_start, key_end, row_start, row_end, block_indices,
-        alpha, delta)`` with Nones."""
+        alpha, delta)`` with Nones; the backward's drop map (last) is left out: :meth:`drop_map`."""
         extras = list(extras)
+        if self.has_drop_map and extras and _is_drop_map(extras[-1]):
+            extras.pop()
         mask = extras.pop(0) if self.has_mask else None
         bias = extras.pop(0) if self.has_bias else None
         q_lens, kv_lens = (extras.pop(0), extras.pop(0)) if self.has_seqlens else (None, None)
@@ -98,6 +106,10 @@ class Optionals(NamedTuple):
         return (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end,
                 row_start, row_end, block_indices, alpha, delta)
 
+    def drop_map(self, extras: Sequence):
+        """The backward's drop map operand (last), or None."""
+        return extras[-1] if self.has_drop_map and extras and _is_drop_map(extras[-1]) else None
+
     def out_dtype(self, q_dtype):
         return jnp.float32 if self.float32_out else q_dtype
 
@@ -110,6 +122,16 @@ class Optionals(NamedTuple):
                                      has_gate=self.has_gate)
 
 
+def _is_drop_map(x) -> bool:
+    return jnp.dtype(x.dtype) == jnp.uint8
+
+
+def drop_map_shape(q_shape: Sequence[int], seqlen_k: int) -> tuple[int, ...]:
+    """``[*B, H, ceil(Lq / SKIP_BLOCK_Q), ceil(Lk / SKIP_BLOCK_K)]``."""
+    *batch, seqlen_q, heads, _ = q_shape
+    return (*batch, heads, -(-seqlen_q // SKIP_BLOCK_Q), -(-seqlen_k // SKIP_BLOCK_K))
+
+
 def _present(*xs):
     return [x for x in xs if x is not None]
 
@@ -117,9 +139,11 @@ def _present(*xs):
 def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None, kv_lens=None,
             q_segments=None, kv_segments=None, key_start=None, key_end=None, row_start=None,
             row_end=None, block_indices=None, alpha=None, delta=None, float32_out: bool = False):
-    """``(out [*B, Lq, H, D], lse [*B, H, Lq] float32)``; out in q's dtype, or float32."""
+    """``[out [*B, Lq, H, D], lse [*B, H, Lq] float32]``; out in q's dtype, or float32; with
+    ``params.softmax_threshold`` also the drop map (uint8, :func:`drop_map_shape`)."""
     opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start,
-                        block_indices, alpha)._replace(float32_out=float32_out)
+                        block_indices, alpha)._replace(
+        float32_out=float32_out, has_drop_map=params.softmax_threshold is not None)
     return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
                                              key_start, key_end, row_start, row_end,
                                              block_indices, alpha, delta),
@@ -129,15 +153,19 @@ def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None,
 def backward(params: AttentionParams, q, k, v, out, dout, lse, dlse, mask=None, bias=None,
              q_lens=None, kv_lens=None, q_segments=None, kv_segments=None, key_start=None,
              key_end=None, row_start=None, row_end=None, block_indices=None, alpha=None,
-             delta=None):
+             delta=None, drop_map=None):
     """``(dq, dk, dv, dbias, dalpha, ddelta)``; dbias is None without a bias, dalpha and ddelta
-    None without a gate."""
+    None without a gate. ``drop_map``: the forward's, where ``params.softmax_threshold`` is
+    set."""
+    if (drop_map is None) != (params.softmax_threshold is None):
+        raise ValueError("ops.backward: a drop_map goes with params.softmax_threshold, and only "
+                         "with it")
     opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start, block_indices,
-                        alpha)
+                        alpha)._replace(has_drop_map=drop_map is not None)
     grads = list(backward_p.bind(q, k, v, out, dout, lse, dlse,
                                  *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
                                            key_start, key_end, row_start, row_end,
-                                           block_indices, alpha, delta),
+                                           block_indices, alpha, delta, drop_map),
                                  params=params, opts=opts))
     dbias = grads.pop(3) if opts.has_bias else None
     dalpha, ddelta = grads[3:] if opts.has_gate else (None, None)
@@ -166,7 +194,10 @@ def _like(q, shape, dtype):
 
 
 def _forward_abstract_eval(q, k, v, *extras, params, opts):
-    return _like(q, q.shape, opts.out_dtype(q.dtype)), _like(q, lse_shape(q.shape), jnp.float32)
+    outs = [_like(q, q.shape, opts.out_dtype(q.dtype)), _like(q, lse_shape(q.shape), jnp.float32)]
+    if opts.has_drop_map:
+        outs.append(_like(q, drop_map_shape(q.shape, k.shape[-3]), jnp.uint8))
+    return outs
 
 
 def _backward_abstract_eval(q, k, v, out, dout, lse, dlse, *extras, params, opts):
@@ -233,7 +264,8 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_key_ranges: bool = False, has_row_ranges: bool = False,
-                has_block_indices: bool = False, has_gate: bool = False) -> bool:
+                has_block_indices: bool = False, has_gate: bool = False,
+                has_drop_map: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with key or row ranges, per-kv-head windows, block
     indices or a gate, which the CUDA kernels do not read yet, alone or beside a mask and each
@@ -266,6 +298,9 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
         missing = ("the CUDA kernels do not take a gate (gated attention, gate=) yet",
                    "Gated attention runs on the CPU kernels and the reference for now "
                    "(issue 27).")
+    if missing is None and (has_drop_map or params.softmax_threshold is not None):
+        missing = ("the CUDA kernels do not take softmax_threshold (tile skipping) yet",
+                   "Tile skipping runs on the CPU kernels and the reference for now (issue 27).")
     if missing is not None:
         reason, fix = missing
         if requested == "cuda":
@@ -280,6 +315,10 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
 
 
 def _reference_forward(params, opts, q, k, v, *extras):
+    if opts.has_drop_map:
+        out, lse, drops = reference.attention(params, q, k, v, *opts.split(extras),
+                                              return_drop_map=True)
+        return out.astype(opts.out_dtype(q.dtype)), lse, drops
     out, lse = reference.attention(params, q, k, v, *opts.split(extras))
     return out.astype(opts.out_dtype(q.dtype)), lse
 
@@ -287,11 +326,12 @@ def _reference_forward(params, opts, q, k, v, *extras):
 def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
     (mask, bias, q_lens, kv_lens, q_segments, kv_segments, key_start, key_end, row_start,
      row_end, block_indices, alpha, delta) = opts.split(extras)
+    drop_map = opts.drop_map(extras)  # the forward's: the same blocks stay dropped
 
     def fn(q, k, v, bias, alpha, delta):
         return reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens, q_segments,
                                    kv_segments, key_start, key_end, row_start, row_end,
-                                   block_indices, alpha, delta)
+                                   block_indices, alpha, delta, drop_map=drop_map)
 
     _, vjp = jax.vjp(fn, q, k, v, bias, alpha, delta)
     return _present(*vjp((dout, dlse.astype(lse.dtype))))
@@ -301,7 +341,8 @@ def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
         if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate):
+                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate,
+                       opts.has_drop_map):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

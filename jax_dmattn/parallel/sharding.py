@@ -113,14 +113,16 @@ class _Layout:
                 + (["ranges", "ranges"] if self.opts.has_key_ranges else [])
                 + (["ranges", "ranges"] if self.opts.has_row_ranges else [])
                 + (["blocks"] if self.opts.has_block_indices else [])
-                + (["alpha", "delta"] if self.opts.has_gate else []))
+                + (["alpha", "delta"] if self.opts.has_gate else [])
+                + (["drops"] if self.backward and self.opts.has_drop_map else []))
 
     def absolute_positions(self) -> bool:
         """Whether an operand's rule names absolute sequence positions (segment ids, ranges,
-        block indices, the gate threshold's block grid), which a ring over sequence chunks
-        cannot shift (the ring steps take no gate either)."""
+        block indices, the gate threshold's block grid, the softmax threshold's grid and its
+        walk in increasing key order), which a ring over sequence chunks cannot shift (the ring
+        steps take no gate and no threshold either)."""
         return (self.opts.has_segments or self.opts.has_key_ranges or self.opts.has_row_ranges
-                or self.opts.has_block_indices or self.opts.has_gate)
+                or self.opts.has_block_indices or self.opts.has_gate or self.opts.has_drop_map)
 
 
 def _shard_count(mesh, axes) -> int:
@@ -189,6 +191,8 @@ def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
         return PartitionSpec(*batch, None, plan.heads)
     if kind == "delta":  # [*B, Lk, Hk]
         return PartitionSpec(*batch, None, plan.kv_heads)
+    if kind == "drops":  # [*B, H, nQB, nKB] (full batch): the blocks replicated (never a ring)
+        return PartitionSpec(*batch, plan.heads, None, None)
     heads = shape[nb]
     if heads == layout.heads:
         axes = plan.heads
@@ -219,6 +223,8 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
     q_spec = arg_specs[0]
     if not backward:
         result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
+        if opts.has_drop_map:
+            result_specs.append(_operand_spec("drops", shapes[0], layout, plan))
         lower = _local_call(_forward_impl, platform, params, opts, mesh, plan)
         if plan.seq is not None:
             lower = functools.partial(_ring_forward, platform, params, opts, plan.seq)
@@ -325,6 +331,7 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # Mask/bias key columns get a factor of their own (kc): always replicated, while lk (k/v's
     # sequence) may be sharded for the ring.
     lq, lk, d, kc = next(names), next(names), next(names), next(names)
+    block_rows, block_cols = next(names), next(names)  # the softmax threshold's drop map
     # q's heads are the compound (kv head, group) factor, so that a head sharding propagates
     # between q and k / v, only where every set of mesh axes that can shard q's heads also
     # shards the kv heads evenly; else they are factors of their own. Shardy rejects size-1
@@ -363,6 +370,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
             return [*bat, lq, heads]
         if kind == "delta":  # [*B, Lk, Hk]
             return [*bat, lk, hk]
+        if kind == "drops":  # [*B, H, nQB, nKB] (full batch): the blocks replicated
+            return [*bat, heads, block_rows, block_cols]
         nb = layout.num_batch
         h = shape[nb]
         head = heads if h == layout.heads else (hk if h == layout.kv_heads else next(names))
@@ -375,6 +384,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     operands = [dims(kind, shape) for kind, shape in zip(layout.kinds(), shapes, strict=True)]
     if not backward:
         results = [dims("q", shapes[0]), dims("lse", shapes[0])]
+        if opts.has_drop_map:
+            results.append(dims("drops", shapes[0]))
     else:
         results = [dims("q", shapes[0]), dims("kv", shapes[1], layout.num_batch),
                    dims("kv", shapes[2], layout.num_batch)]
@@ -392,7 +403,8 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
                                                layout.seqlen_k, layout.absolute_positions())
-    factors = (d, kc) if ringable else (lq, lk, d, kc)
+    factors = (d, kc, block_rows, block_cols) if ringable else (lq, lk, d, kc, block_rows,
+                                                                 block_cols)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
 
