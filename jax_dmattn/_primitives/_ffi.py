@@ -171,7 +171,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     register_targets()
     *batch, seqlen_q, heads, _ = q.shape
     results = [(q.shape, opts.out_dtype(q.dtype)), ((*batch, heads, seqlen_q), np.float32)]
-    if opts.has_drop_map:
+    if opts.returns_drop_map:
         results.append((_drop_map_shape(q.shape, k.shape[-3]), np.uint8))
     workspaces = None
     if platform == "cuda":

@@ -72,7 +72,9 @@ class Optionals(NamedTuple):
     has_row_ranges: bool = False
     has_block_indices: bool = False
     has_gate: bool = False
-    # Softmax-threshold skipping: the forward's drop_map result, the backward's last operand.
+    # Softmax-threshold skipping: the forward returns its drop map, which the backward takes as
+    # its last operand.
+    returns_drop_map: bool = False
     has_drop_map: bool = False
     float32_out: bool = False
 
@@ -89,7 +91,7 @@ class Optionals(NamedTuple):
         kv_lens, q_segments, kv_segments, key_start, key_end, row_start, row_end, block_indices,
         alpha, delta)`` with Nones; the backward's drop map (last) is left out: :meth:`drop_map`."""
         extras = list(extras)
-        if self.has_drop_map and extras and _is_drop_map(extras[-1]):
+        if self.has_drop_map:
             extras.pop()
         mask = extras.pop(0) if self.has_mask else None
         bias = extras.pop(0) if self.has_bias else None
@@ -108,7 +110,7 @@ class Optionals(NamedTuple):
 
     def drop_map(self, extras: Sequence):
         """The backward's drop map operand (last), or None."""
-        return extras[-1] if self.has_drop_map and extras and _is_drop_map(extras[-1]) else None
+        return extras[-1] if self.has_drop_map else None
 
     def out_dtype(self, q_dtype):
         return jnp.float32 if self.float32_out else q_dtype
@@ -121,9 +123,6 @@ class Optionals(NamedTuple):
                                      has_block_indices=self.has_block_indices,
                                      has_gate=self.has_gate)
 
-
-def _is_drop_map(x) -> bool:
-    return jnp.dtype(x.dtype) == jnp.uint8
 
 
 def drop_map_shape(q_shape: Sequence[int], seqlen_k: int) -> tuple[int, ...]:
@@ -143,7 +142,7 @@ def forward(params: AttentionParams, q, k, v, mask=None, bias=None, q_lens=None,
     ``params.softmax_threshold`` also the drop map (uint8, :func:`drop_map_shape`)."""
     opts = Optionals.of(mask, bias, q_lens, q_segments, key_start, row_start,
                         block_indices, alpha)._replace(
-        float32_out=float32_out, has_drop_map=params.softmax_threshold is not None)
+        float32_out=float32_out, returns_drop_map=params.softmax_threshold is not None)
     return forward_p.bind(q, k, v, *_present(mask, bias, q_lens, kv_lens, q_segments, kv_segments,
                                              key_start, key_end, row_start, row_end,
                                              block_indices, alpha, delta),
@@ -195,7 +194,7 @@ def _like(q, shape, dtype):
 
 def _forward_abstract_eval(q, k, v, *extras, params, opts):
     outs = [_like(q, q.shape, opts.out_dtype(q.dtype)), _like(q, lse_shape(q.shape), jnp.float32)]
-    if opts.has_drop_map:
+    if opts.returns_drop_map:
         outs.append(_like(q, drop_map_shape(q.shape, k.shape[-3]), jnp.uint8))
     return outs
 
@@ -264,11 +263,11 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_key_ranges: bool = False, has_row_ranges: bool = False,
-                has_block_indices: bool = False, has_gate: bool = False,
-                has_drop_map: bool = False) -> bool:
+                has_block_indices: bool = False, has_gate: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with key or row ranges, per-kv-head windows, block
-    indices or a gate, which the CUDA kernels do not read yet, alone or beside a mask and each
+    indices, a gate or a softmax threshold, which the CUDA kernels do not read yet, alone or
+    beside a mask and each
     other: the first of them missing is the reason), implementation="cuda" raises and None warns
     once per reason (then runs the pure-JAX reference)."""
     requested = params.implementation
@@ -298,7 +297,7 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
         missing = ("the CUDA kernels do not take a gate (gated attention, gate=) yet",
                    "Gated attention runs on the CPU kernels and the reference for now "
                    "(issue 27).")
-    if missing is None and (has_drop_map or params.softmax_threshold is not None):
+    if missing is None and params.softmax_threshold is not None:
         missing = ("the CUDA kernels do not take softmax_threshold (tile skipping) yet",
                    "Tile skipping runs on the CPU kernels and the reference for now (issue 27).")
     if missing is not None:
@@ -315,7 +314,7 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
 
 
 def _reference_forward(params, opts, q, k, v, *extras):
-    if opts.has_drop_map:
+    if opts.returns_drop_map:
         out, lse, drops = reference.attention(params, q, k, v, *opts.split(extras),
                                               return_drop_map=True)
         return out.astype(opts.out_dtype(q.dtype)), lse, drops
@@ -341,8 +340,7 @@ def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
         if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate,
-                       opts.has_drop_map):
+                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

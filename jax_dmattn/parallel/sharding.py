@@ -114,7 +114,7 @@ class _Layout:
                 + (["ranges", "ranges"] if self.opts.has_row_ranges else [])
                 + (["blocks"] if self.opts.has_block_indices else [])
                 + (["alpha", "delta"] if self.opts.has_gate else [])
-                + (["drops"] if self.backward and self.opts.has_drop_map else []))
+                + (["drops"] if self.opts.has_drop_map else []))
 
     def absolute_positions(self) -> bool:
         """Whether an operand's rule names absolute sequence positions (segment ids, ranges,
@@ -122,7 +122,8 @@ class _Layout:
         walk in increasing key order), which a ring over sequence chunks cannot shift (the ring
         steps take no gate and no threshold either)."""
         return (self.opts.has_segments or self.opts.has_key_ranges or self.opts.has_row_ranges
-                or self.opts.has_block_indices or self.opts.has_gate or self.opts.has_drop_map)
+                or self.opts.has_block_indices or self.opts.has_gate
+                or self.opts.returns_drop_map or self.opts.has_drop_map)
 
 
 def _shard_count(mesh, axes) -> int:
@@ -223,7 +224,7 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
     q_spec = arg_specs[0]
     if not backward:
         result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
-        if opts.has_drop_map:
+        if opts.returns_drop_map:
             result_specs.append(_operand_spec("drops", shapes[0], layout, plan))
         lower = _local_call(_forward_impl, platform, params, opts, mesh, plan)
         if plan.seq is not None:
@@ -384,7 +385,7 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     operands = [dims(kind, shape) for kind, shape in zip(layout.kinds(), shapes, strict=True)]
     if not backward:
         results = [dims("q", shapes[0]), dims("lse", shapes[0])]
-        if opts.has_drop_map:
+        if opts.returns_drop_map:
             results.append(dims("drops", shapes[0]))
     else:
         results = [dims("q", shapes[0]), dims("kv", shapes[1], layout.num_batch),
