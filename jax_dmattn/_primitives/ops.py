@@ -267,9 +267,9 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with key or row ranges, per-kv-head windows, block
     indices, a gate or a softmax threshold, which the CUDA kernels do not read yet, alone or
-    beside a mask and each
-    other: the first of them missing is the reason), implementation="cuda" raises and None warns
-    once per reason (then runs the pure-JAX reference)."""
+    beside a mask and each other: the first of them missing is the reason),
+    implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
+    reference)."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
