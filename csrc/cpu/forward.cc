@@ -145,7 +145,6 @@ void ForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64_t b
   WriteRows<T>(shape, args, item, block, tiles);
 }
 
-
 // Softmax-threshold skipping (common/params.h: softmax_threshold): the kSkipBlockQ rows `sb` of
 // one item, as kHalves query tiles in lockstep over the kSkipBlockK-key blocks in increasing key
 // order. A block's visible tiles are all scored first; the block is dropped (no V load, no P·V,
