@@ -122,9 +122,13 @@ def gate_kept_blocks(params: AttentionParams, alpha: jax.Array, delta: jax.Array
     block is dropped when ``max(alpha_i * delta_j)`` over its rows and keys (all of them below Lq
     and Lk), the largest of the four products of alpha's and delta's min and max there, is below
     ``gate_cut(params.gate_threshold)``: exactly when ``logsigmoid(alpha_i * delta_j) <
-    gate_threshold`` at each of its pairs. Computed in the inputs' dtype (float64 with x64: the
-    products of float32 values exact, as in the kernels, which use double)."""
-    alpha, delta = jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(delta)
+    gate_threshold`` at each of its pairs. With x64 the bound is computed in float64 whatever
+    the inputs' dtype (the products of float32 values exact, as in the kernels, which use
+    double), so the same blocks are dropped. Without x64 it is computed in float32 and compared
+    with float32(gate_cut): rounding is monotone, so every block the kernels keep is kept, and a
+    block they drop is kept too only where its float32 bound rounds up to float32(gate_cut)."""
+    wide = jnp.promote_types(alpha.dtype, jax.dtypes.canonicalize_dtype(jnp.float64))
+    alpha, delta = (jax.lax.stop_gradient(x).astype(wide) for x in (alpha, delta))
     a_lo, a_hi = _block_min_max(alpha, GATE_BLOCK_Q)  # [*B, Hk, G, nQB]
     d_lo, d_hi = _block_min_max(delta, GATE_BLOCK_K)  # [*B, Hk, nKB]
     a_lo, a_hi = a_lo[..., :, None], a_hi[..., :, None]

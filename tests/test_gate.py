@@ -590,3 +590,45 @@ def test_cuda_lowering(monkeypatch):
         lower_for_cuda(q, k, v, is_causal=True, implementation="cuda")
     assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
     assert all(attrs["has_gate"] is False for *_, attrs in calls)
+
+
+# ---- review: the threshold's decision in the reference (x64) --------------------------------
+
+
+def _product_rounding_up_to_the_cut(threshold):
+    """float32 a, d with a * d below gate_cut(threshold) exactly, while the float32 product
+    rounds to float32(gate_cut): the kernels (double) drop such a block."""
+    cut = gate_cut(threshold)
+    a = np.float32(1.1)
+    for d in np.float32(cut / 1.1) + np.arange(-64, 64, dtype=np.float32) * np.spacing(
+            np.float32(cut)):
+        d = np.float32(d)
+        if float(a) * float(d) < cut and a * d >= np.float32(cut):
+            return a, d
+    raise AssertionError("no such pair")
+
+
+def test_reference_threshold_decision_is_exact_with_x64():
+    """With x64 (as in this suite) and float32 inputs, the reference (implementation='xla',
+    which also serves GPUs) decides the threshold's blocks exactly as the kernels do: a block
+    whose bound alpha * delta lies below gate_cut exactly, but whose float32 product rounds up
+    to it, is dropped by both (the reference computed the bound in float32 and kept it: its
+    output differed from the CPU kernels' by 0.2)."""
+    threshold = -1.0
+    a, d = _product_rounding_up_to_the_cut(threshold)
+    rng = np.random.default_rng(31)
+    lq, lk = 128, 256
+    q, k, v = qkv(rng, 1, lq, lk, 1, 1, 16)
+    alpha = jnp.full((1, lq, 1), a, jnp.float32)
+    delta = jnp.concatenate([jnp.full((1, 128, 1), 5.0, jnp.float32),
+                             jnp.full((1, 128, 1), d, jnp.float32)], axis=1)
+    kept = kept_pairs(alpha, delta, threshold, 1, 1)
+    assert kept[..., :128].all() and not kept[..., 128:].any()
+    got = {impl: flash_dmattn(q, k, v, gate=(alpha, delta), gate_threshold=threshold,
+                              return_lse=True, implementation=impl) for impl in ("cpu", "xla")}
+    dense = flash_dmattn(to64(q), to64(k), to64(v), jnp.asarray(kept),
+                         as_bias(to64(alpha), to64(delta), 1, 1), return_lse=True,
+                         implementation="xla")
+    for impl, (out, lse) in got.items():
+        np.testing.assert_allclose(out, dense[0], atol=2e-6, err_msg=impl)
+        np.testing.assert_allclose(lse, dense[1], atol=2e-6, err_msg=impl)
