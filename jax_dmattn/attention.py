@@ -122,9 +122,11 @@ def flash_dmattn(
         below ``gate_threshold - log(1 - exp(gate_threshold))``; kernels of any tile shape drop
         the same pairs. Error: a row whose exact (threshold None) softmax gives its dropped
         pairs total probability ``m`` changes by at most ``2m / (1 - m) · max_j |v_j|``, and
-        each dropped pair's probability is below ``exp(gate_threshold)`` times what it would
-        have without the gate (without softcap); a row with every pair dropped gives zeros and
-        lse ``-inf``, like a masked row. Dropped pairs get no gradient.
+        each dropped pair's weight ``exp(logit)`` is below ``exp(gate_threshold)`` times its
+        weight without the gate (without softcap; not its probability, which the gate's
+        lowering of the row's other weights can raise back towards the ungated one); a row
+        with every pair dropped gives zeros and lse ``-inf``, like a masked row. Dropped pairs
+        get no gradient.
       softmax_threshold: ``None`` or ``0`` (exact attention) or a concrete float ``> 0``: tile
         skipping as upstream's, on a fixed grid. Each query head's scores are cut into blocks of
         ``SKIP_BLOCK_Q = 128`` rows × ``SKIP_BLOCK_K = 128`` keys from position 0 (the grid of

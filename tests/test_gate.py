@@ -632,3 +632,40 @@ def test_reference_threshold_decision_is_exact_with_x64():
     for impl, (out, lse) in got.items():
         np.testing.assert_allclose(out, dense[0], atol=2e-6, err_msg=impl)
         np.testing.assert_allclose(lse, dense[1], atol=2e-6, err_msg=impl)
+
+
+def test_documented_error_bound():
+    """flash_dmattn's documented bound: a row whose exact softmax gives its dropped pairs
+    probability m moves by at most 2m / (1 - m) max_j |v_j|, and a dropped pair's weight
+    exp(logit) is below exp(threshold) times its ungated weight. Its probability is not: here
+    every pair's gate is about -1, so a dropped pair keeps 92 % of its ungated probability (the
+    docstring claimed below exp(-1) = 37 %)."""
+    threshold = -1.0
+    rng = np.random.default_rng(32)
+    lq, lk = 4, 256
+    q, k, v = (to64(x) for x in qkv(rng, 1, lq, lk, 1, 1, 8))
+
+    def product(g):  # alpha * delta whose logsigmoid is g
+        return g - np.log(-np.expm1(g))
+
+    alpha = jnp.ones((1, lq, 1), jnp.float64)
+    delta = jnp.concatenate([jnp.full((1, 128, 1), product(-0.9)),
+                             jnp.full((1, 128, 1), product(-1.05))], axis=1)
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8.0)
+    gated = logits + np.asarray(as_bias(alpha, delta, 1, 1))
+    prob = np.exp(gated - gated.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    ungated = np.exp(logits - logits.max(-1, keepdims=True))
+    ungated /= ungated.sum(-1, keepdims=True)
+    assert (gated - logits)[..., 128:].max() < threshold  # the weights' bound
+    assert (prob / ungated)[..., 128:].min() > 0.9 > np.exp(threshold)  # not the probabilities'
+
+    m = prob[..., 128:].sum(-1)[0, 0]  # [Lq]
+    exact = flash_dmattn(q, k, v, gate=(alpha, delta), implementation="xla")
+    for impl, cast in (("xla", to64), ("cpu", lambda x: x.astype(jnp.float32))):
+        out = flash_dmattn(*(cast(x) for x in (q, k, v)), gate=(cast(alpha), cast(delta)),
+                           gate_threshold=threshold, implementation=impl)
+        change = np.abs(np.asarray(out, np.float64) - np.asarray(exact))[0, :, 0].max(-1)
+        assert (change > 0.05).all()
+        assert (change <= 2 * m / (1 - m) * np.abs(np.asarray(v)).max()).all(), impl
+        assert (change <= 2 * m * np.abs(np.asarray(v)).max() + 1e-6).all(), impl
