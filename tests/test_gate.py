@@ -669,3 +669,28 @@ def test_documented_error_bound():
         assert (change > 0.05).all()
         assert (change <= 2 * m / (1 - m) * np.abs(np.asarray(v)).max()).all(), impl
         assert (change <= 2 * m * np.abs(np.asarray(v)).max() + 1e-6).all(), impl
+
+
+def test_reference_threshold_decision_without_x64():
+    """Without x64 the reference rounds the bound to float32, as its docstring says: it keeps
+    every block the kernels keep, and keeps one they drop only where the float32 bound rounds
+    up to float32(gate_cut) (the pair of the test above); elsewhere the two agree."""
+    threshold = -1.0
+    a, d = _product_rounding_up_to_the_cut(threshold)
+    rng = np.random.default_rng(33)
+    lq, lk = 128, 256
+    q, k, v = qkv(rng, 1, lq, lk, 1, 1, 16)
+    alpha = jnp.full((1, lq, 1), a, jnp.float32)
+    edge = jnp.concatenate([jnp.full((1, 128, 1), 5.0, jnp.float32),
+                            jnp.full((1, 128, 1), d, jnp.float32)], axis=1)
+    below = edge.at[:, 128:].set(np.nextafter(d, np.float32(-np.inf)))
+
+    def run(delta, implementation):
+        return flash_dmattn(q, k, v, gate=(alpha, delta), gate_threshold=threshold,
+                            implementation=implementation)
+
+    with jax.enable_x64(False):
+        kept_all = flash_dmattn(q, k, v, gate=(alpha, edge), implementation="cpu")
+        np.testing.assert_allclose(run(edge, "xla"), kept_all, atol=2e-6)  # kept
+        assert not np.allclose(run(edge, "cpu"), kept_all, atol=1e-2)  # dropped
+        np.testing.assert_allclose(run(below, "xla"), run(below, "cpu"), atol=2e-6)
