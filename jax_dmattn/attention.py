@@ -384,6 +384,16 @@ def dot_product_attention(
         right = 0
     window = _window(validation.check_window_sizes(window_sizes, dims), left, right)
     if unbatched and isinstance(gate, (tuple, list)) and len(gate) == 2:
+        # 3-D inputs take alpha [T, N] and delta [S, K]: their shapes are checked as given,
+        # before the batch dim is added.
+        wanted = ((dims.seqlen_q, dims.heads), (dims.seqlen_k, dims.kv_heads))
+        for x, name, shape in zip(gate, ("alpha", "delta"), wanted, strict=True):
+            if x is not None and np.shape(x) != shape:
+                raise ValueError(
+                    f"gate {name} shape {np.shape(x)} is not accepted; with 3-D inputs gate "
+                    f"must be a pair (alpha, delta) of floating arrays, alpha [T, N] = "
+                    f"[{dims.seqlen_q}, {dims.heads}] and delta [S, K] = "
+                    f"[{dims.seqlen_k}, {dims.kv_heads}]")
         gate = tuple(None if x is None else jnp.expand_dims(jnp.asarray(x), 0) for x in gate)
     alpha, delta, threshold = validation.check_gate(gate, gate_threshold, dims, q.dtype)
     params = AttentionParams(

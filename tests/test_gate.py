@@ -694,3 +694,19 @@ def test_reference_threshold_decision_without_x64():
         np.testing.assert_allclose(run(edge, "xla"), kept_all, atol=2e-6)  # kept
         assert not np.allclose(run(edge, "cpu"), kept_all, atol=1e-2)  # dropped
         np.testing.assert_allclose(run(below, "xla"), run(below, "cpu"), atol=2e-6)
+
+
+@pytest.mark.parametrize("which", ["alpha", "delta"])
+def test_unbatched_dot_product_attention_bad_gate_shape(which):
+    """With 3-D inputs a batched alpha [1, T, N] (or delta [1, S, K]) is refused naming the
+    shape as given and the 3-D shapes wanted ([T, N], [S, K]); the message had named the shape
+    after dot_product_attention's own expansion, (1, 1, T, N), and asked for [1, T, N]: the very
+    shape passed."""
+    rng = np.random.default_rng(34)
+    q, k, v = qkv(rng, 1, 50, 60, 4, 2, 16)
+    alpha, delta = random_gate(rng, 1, 50, 60, 4, 2)
+    gate = (alpha, delta[0]) if which == "alpha" else (alpha[0], delta)
+    shape = r"\(1, 50, 4\)" if which == "alpha" else r"\(1, 60, 2\)"
+    wanted = r"alpha \[T, N\] = \[50, 4\] and delta \[S, K\] = \[60, 2\]"
+    with pytest.raises(ValueError, match=rf"gate {which} shape {shape} .*{wanted}"):
+        dot_product_attention(q[0], k[0], v[0], gate=gate, implementation="cpu")
