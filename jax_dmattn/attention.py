@@ -124,12 +124,11 @@ def flash_dmattn(
         for now) with x64; without x64 it rounds the bound to float32 and also keeps a block
         whose bound rounds up to the cut. Error: a row whose exact (threshold None) softmax
         gives its dropped pairs total probability ``m`` changes by at most ``2m / (1 - m) ·
-        max_j |v_j|``, and
-        each dropped pair's weight ``exp(logit)`` is below ``exp(gate_threshold)`` times its
-        weight without the gate (without softcap; not its probability, which the gate's
-        lowering of the row's other weights can raise back towards the ungated one); a row
-        with every pair dropped gives zeros and lse ``-inf``, like a masked row. Dropped pairs
-        get no gradient.
+        max_j |v_j|``, and each dropped pair's weight ``exp(logit)`` is below
+        ``exp(gate_threshold)`` times its weight without the gate (without softcap; not its
+        probability, which the gate's lowering of the row's other weights can raise back
+        towards the ungated one); a row with every pair dropped gives zeros and lse ``-inf``,
+        like a masked row. Dropped pairs get no gradient.
       softmax_threshold: ``None`` or ``0`` (exact attention) or a concrete float ``> 0``: tile
         skipping as upstream's, on a fixed grid. Each query head's scores are cut into blocks of
         ``SKIP_BLOCK_Q = 128`` rows × ``SKIP_BLOCK_K = 128`` keys from position 0 (the grid of
