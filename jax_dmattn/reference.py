@@ -135,7 +135,8 @@ def gate_kept_blocks(params: AttentionParams, alpha: jax.Array, delta: jax.Array
     d_lo, d_hi = d_lo[..., None, None, :], d_hi[..., None, None, :]
     bound = jnp.maximum(jnp.maximum(a_lo * d_lo, a_lo * d_hi),
                         jnp.maximum(a_hi * d_lo, a_hi * d_hi))
-    return bound >= gate_cut(params.gate_threshold)
+    # A NaN bound (a NaN alpha or delta in the block) keeps it: those pairs are not below.
+    return ~(bound < gate_cut(params.gate_threshold))
 
 
 def softmax_skip_blocks(threshold: float, s: jax.Array, visible: jax.Array,

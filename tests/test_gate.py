@@ -710,3 +710,37 @@ def test_unbatched_dot_product_attention_bad_gate_shape(which):
     wanted = r"alpha \[T, N\] = \[50, 4\] and delta \[S, K\] = \[60, 2\]"
     with pytest.raises(ValueError, match=rf"gate {which} shape {shape} .*{wanted}"):
         dot_product_attention(q[0], k[0], v[0], gate=gate, implementation="cpu")
+
+
+@pytest.mark.parametrize("nan_row", [200, 255])
+@pytest.mark.parametrize("kept_anyway", [False, True])
+def test_nan_gate_on_a_padding_row_keeps_its_block(nan_row, kept_anyway):
+    """A NaN alpha on a padding row (past query_seq_lengths) makes its block's pairs with it NaN,
+    not below the threshold, so the block is kept (the rule drops a block only when every pair
+    is below it), by the CPU kernels and the reference alike. The kernels' min / max skipped a
+    NaN (except on a block's first row) and decided on the other rows, while the reference
+    dropped every such block: without row 129 both dropped it, with it they disagreed on the
+    block's valid rows."""
+    threshold, lq, lk = -1.0, 256, 256
+    rng = np.random.default_rng(35)
+    q, k, v = qkv(rng, 1, lq, lk, 1, 1, 16)
+    alpha = np.ones((1, lq, 1), np.float32)
+    if kept_anyway:
+        alpha[:, 129] = -1.0  # (129, j) of key block 1 is kept by its own gate: 3 > cut
+    alpha[:, nan_row] = np.nan
+    delta = np.ones((1, lk, 1), np.float32)
+    delta[:, 128:] = -3.0  # logsigmoid(-3) < -1: query block 0 drops key block 1
+    alpha, delta = jnp.asarray(alpha), jnp.asarray(delta)
+    lens = dict(query_seq_lengths=jnp.asarray([200], jnp.int32),
+                key_value_seq_lengths=jnp.asarray([lk], jnp.int32))
+    kept = np.ones((1, 1, lq, lk), bool)
+    kept[..., :128, 128:] = False
+    want = dot_product_attention(
+        to64(q), to64(k), to64(v),
+        jnp.nan_to_num(as_bias(to64(alpha), to64(delta), 1, 1)), jnp.asarray(kept),
+        implementation="xla", **lens)
+    for impl in ("cpu", "xla"):
+        out = dot_product_attention(q, k, v, gate=(alpha, delta), gate_threshold=threshold,
+                                    implementation=impl, **lens)
+        np.testing.assert_allclose(out[:, :200], want[:, :200], atol=2e-6, err_msg=impl)
+        np.testing.assert_array_equal(out[:, 200:], 0.0)

@@ -297,21 +297,27 @@ inline bool TileBlocksMeet(const AttentionShape& shape, const HeadItem& item, co
   return false;
 }
 
-// [min, max] of n values `stride` apart.
+// [min, max] of n values `stride` apart; both NaN where any value is NaN (std::min / std::max
+// alone would skip a NaN anywhere but first).
 inline void MinMax(const float* x, int64_t n, int64_t stride, double* lo, double* hi) {
   float a = x[0], b = x[0];
+  bool nan = std::isnan(x[0]);
   for (int64_t k = 1; k < n; ++k) {
-    a = std::min(a, x[k * stride]);
-    b = std::max(b, x[k * stride]);
+    const float v = x[k * stride];
+    nan |= std::isnan(v);
+    a = std::min(a, v);
+    b = std::max(b, v);
   }
-  *lo = a;
-  *hi = b;
+  *lo = nan ? NAN : a;
+  *hi = nan ? NAN : b;
 }
 
 // Whether the gate threshold keeps the grid block of the tile (common/params.h: gate_cut): the
 // largest alpha_i * delta_j over the block's rows and keys (every row and key below Lq and Lk,
 // whatever the lengths) is a corner product of their min and max; in double, exact for float32
-// values. Always true without a threshold.
+// values. A NaN there (or a NaN corner product, 0 · inf) keeps the block: its pairs with the NaN
+// are not below the cut, and the rule drops a block only when every pair is. Always true without
+// a threshold.
 inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, const Tile& t) {
   if (item.alpha == nullptr || !(shape.gate_cut > -INFINITY)) return true;
   const int64_t i0 = t.i0 / kGateBlockQ * kGateBlockQ, j0 = t.j0 / kGateBlockK * kGateBlockK;
@@ -320,9 +326,11 @@ inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, cons
          shape.num_heads, &a_lo, &a_hi);
   MinMax(item.delta + j0 * shape.num_kv_heads, std::min(kGateBlockK, shape.seqlen_k - j0),
          shape.num_kv_heads, &d_lo, &d_hi);
-  const double bound = std::max(std::max(a_lo * d_lo, a_lo * d_hi), std::max(a_hi * d_lo,
-                                                                              a_hi * d_hi));
-  return bound >= shape.gate_cut;
+  // Kept unless every corner is below the cut (a NaN corner, e.g. 0 · inf, is not).
+  const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
+  for (const double corner : corners)
+    if (!(corner < shape.gate_cut)) return true;
+  return false;
 }
 
 // Whether the forward's softmax threshold dropped the grid block of the tile (backward only).
