@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
-from form_checks import assert_close, assert_cuda_refuses, lower_for_cuda, qkv, to64
+from form_checks import (
+    assert_close,
+    assert_cuda_refuses,
+    lower_for_cuda,
+    outputs_and_grads,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,21 +52,6 @@ def sharp_qkv(rng, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype=n
         picks += list(rng.integers(j0, min(j0 + SKIP_BLOCK_K, seqlen_k), extra))
     k[:, picks] += 30.0 * u
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def results(fn, q, k, v, bias=None):
-    """out, lse and the gradients (q, k, v, [bias]) of a loss using out and lse of
-    ``fn(q, k, v, bias) -> (out, lse)``."""
-
-    def loss(q, k, v, bias):
-        out, lse = fn(q, k, v, bias)
-        weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
-        return (jnp.sum(out.astype(jnp.float32) * weights)
-                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.3)), (out, lse)
-
-    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
-    return out, lse, grads
 
 
 def runner(implementation, threshold, mask=None, **kw):
@@ -119,7 +111,7 @@ def test_none_and_zero_are_exact(front):
                                              return_residual=True, implementation="cpu",
                                              **extra)
             return out, jnp.swapaxes(res, -1, -2)
-        return results(call, q, k, v, bias)
+        return outputs_and_grads(call, q, k, v, bias)
 
     want = fn("absent")
     for threshold in (None, 0, 0.0):
@@ -151,8 +143,9 @@ def test_matches_reference_rule(case):
     mask = jnp.asarray(rng.random((2, 1, lq, lk)) < 0.85) if with_mask else None
     bias = (jnp.asarray(rng.standard_normal((2, heads, 1, lk)), dtype) if with_bias else None)
     kw = dict(is_causal=causal, softcap=softcap)
-    got = results(runner("cpu", t, mask, **kw), q, k, v, bias)
-    want = results(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v), to64(bias))
+    got = outputs_and_grads(runner("cpu", t, mask, **kw), q, k, v, bias)
+    want = outputs_and_grads(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v),
+                             to64(bias))
     assert_close(got[0], want[0], dtype, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
     for name, g, w in zip("q k v bias".split(), got[2], want[2], strict=False):
@@ -207,8 +200,8 @@ def test_with_other_rules():
             return out, jnp.swapaxes(res, -1, -2)
         return call
 
-    got = results(fn("cpu"), q, k, v)
-    want = results(fn("xla"), to64(q), to64(k), to64(v))
+    got = outputs_and_grads(fn("cpu"), q, k, v, None)
+    want = outputs_and_grads(fn("xla"), to64(q), to64(k), to64(v), None)
     assert_close(got[0], want[0], jnp.float32, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
     for name, g, w in zip("qkv", got[2], want[2], strict=True):

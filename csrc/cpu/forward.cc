@@ -63,17 +63,30 @@ void OnlineSoftmaxStep(const Tile& t, int64_t dp, ForwardTiles& tiles, float* sc
   }
 }
 
+// An item's operands: its mask and bias at its (row 0, col 0), null when absent; its k and v.
+template <typename T>
+struct ItemOperands {
+  const bool* mask;
+  const T* bias;
+  const T* k;
+  const T* v;
+  ItemOperands(const ForwardArgs& args, const HeadItem& item)
+      : mask(args.mask != nullptr ? args.mask + item.mask_offset : nullptr),
+        bias(args.bias != nullptr ? static_cast<const T*>(args.bias) + item.bias_offset
+                                  : nullptr),
+        k(static_cast<const T*>(args.k) + item.kv_offset),
+        v(static_cast<const T*>(args.v) + item.kv_offset) {}
+};
+
 // Runs the online softmax of the query block over every key tile with a visible key.
 template <typename T>
 void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
                          const HeadItem& item, int64_t qb, ForwardTiles& tiles) {
   const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
   const int64_t kv_stride = shape.kv_row_stride();
-  const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;
-  const T* bias =
-      args.bias != nullptr ? static_cast<const T*>(args.bias) + item.bias_offset : nullptr;
-  const T* k = static_cast<const T*>(args.k) + item.kv_offset;
-  const T* v = static_cast<const T*>(args.v) + item.kv_offset;
+  const ItemOperands<T> in(args, item);
+  const bool* mask = in.mask;
+  const T *bias = in.bias, *k = in.k, *v = in.v;
 
   const Tile block = MakeTile(item, qb, 0);
   const Range keys = VisibleKeysOfRows(shape, item, block.i0, block.rows);
@@ -157,11 +170,9 @@ void SkipForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64
   const HeadItem item = MakeHeadItem(shape, args, b, h);
   const int64_t dim = shape.head_dim, dp = PaddedHeadDim(shape);
   const int64_t kv_stride = shape.kv_row_stride();
-  const bool* mask = args.mask != nullptr ? args.mask + item.mask_offset : nullptr;
-  const T* bias =
-      args.bias != nullptr ? static_cast<const T*>(args.bias) + item.bias_offset : nullptr;
-  const T* k = static_cast<const T*>(args.k) + item.kv_offset;
-  const T* v = static_cast<const T*>(args.v) + item.kv_offset;
+  const ItemOperands<T> in(args, item);
+  const bool* mask = in.mask;
+  const T *bias = in.bias, *k = in.k, *v = in.v;
   uint8_t* drops = args.drop_map + shape.drop_map_offset(b, h) + sb * shape.skip_cols();
   std::fill_n(drops, shape.skip_cols(), uint8_t{0});
 
