@@ -122,14 +122,14 @@ def lower_for_cuda(q, k, v, *mask, **kw):
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
-def assert_vmap_matches_each(one, operands, in_axes, count):
-    """``jit(vmap(one))`` and ``jit(vmap(grad))`` (q, k, v: the first three operands) of a loss
-    of `one`, for each tuple of `in_axes`, equal `one` and its gradients on each of the `count`
-    examples; an operand with axis None is passed as its example 0 to every call."""
+def assert_vmap_matches_each(one, operands, in_axes, count, argnums=(0, 1, 2)):
+    """``jit(vmap(one))`` and ``jit(vmap(grad))`` (by the operands `argnums`: q, k, v by default)
+    of a loss of `one`, for each tuple of `in_axes`, equal `one` and its gradients on each of the
+    `count` examples; an operand with axis None is passed as its example 0 to every call."""
     def loss(*args):
         return jnp.sum(jnp.sin(one(*args)))
 
-    grad = jax.grad(loss, argnums=(0, 1, 2))
+    grad = jax.grad(loss, argnums=argnums)
     for axes in in_axes:
         args = [x if a is not None else x[0] for x, a in zip(operands, axes, strict=True)]
         got = jax.jit(jax.vmap(one, in_axes=axes))(*args)

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
-from form_checks import assert_close, assert_cuda_refuses, lower_for_cuda, qkv, to64
+from form_checks import (
+    assert_close,
+    assert_cuda_refuses,
+    assert_vmap_matches_each,
+    lower_for_cuda,
+    qkv,
+    to64,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_segments import array_sizes
@@ -372,21 +379,8 @@ def test_jit_vmap_and_grad():
         return flash_dmattn(q, k, v, is_causal=True, gate=(alpha, delta), gate_threshold=-2.0,
                             implementation="cpu")
 
-    def loss(*args):
-        return jnp.sum(jnp.sin(one(*args)))
-
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
-    operands = (q, k, v, alpha, delta)
-    for axes in [(0, 0, 0, 0, 0), (0, 0, 0, None, 0), (0, None, None, 0, None),
-                 (0, 0, 0, None, None)]:
-        args = [x if a is not None else x[0] for x, a in zip(operands, axes, strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(grad, in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, grad(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    axes = [(0, 0, 0, 0, 0), (0, 0, 0, None, 0), (0, None, None, 0, None), (0, 0, 0, None, None)]
+    assert_vmap_matches_each(one, (q, k, v, alpha, delta), axes, n, argnums=(0, 1, 2, 3, 4))
 
 
 def test_grad_of_unmapped_gate_sums_examples():

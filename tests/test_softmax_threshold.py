@@ -23,6 +23,7 @@ from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
     assert_close,
     assert_cuda_refuses,
+    assert_vmap_matches_each,
     lower_for_cuda,
     outputs_and_grads,
     qkv,
@@ -301,16 +302,7 @@ def test_jit_vmap_and_grad():
     def one(q, k, v):
         return flash_dmattn(q, k, v, is_causal=True, softmax_threshold=0.5, implementation="cpu")
 
-    grad = jax.grad(lambda *a: jnp.sum(jnp.sin(one(*a))), argnums=(0, 1, 2))
-    for axes in [(0, 0, 0), (0, None, None)]:
-        args = [x if a is not None else x[0] for x, a in zip((q, k, v), axes, strict=True)]
-        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
-        got_grad = jax.jit(jax.vmap(grad, in_axes=axes))(*args)
-        for e in range(n):
-            each = [x[e] if a is not None else x for x, a in zip(args, axes, strict=True)]
-            np.testing.assert_allclose(got[e], one(*each), atol=1e-6, err_msg=str(axes))
-            for g, ref in zip(got_grad, grad(*each), strict=True):
-                np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
+    assert_vmap_matches_each(one, (q, k, v), [(0, 0, 0), (0, None, None)], n)
 
 
 @pytest.mark.parametrize("kv_heads, seq", [(4, False), (1, False), (4, True)])
