@@ -239,10 +239,10 @@ def linen_variables(p: dict[str, jax.Array]) -> dict:
     return {"params": params}
 
 
-def equinox_layer(p: dict[str, jax.Array], window: int) -> dma_eqx.DynamicMaskAttention:
+def equinox_layer(p: dict[str, jax.Array], window: int, **kw) -> dma_eqx.DynamicMaskAttention:
     layer = eqx.filter_eval_shape(  # shapes only: every array is replaced below
         dma_eqx.DynamicMaskAttention, HIDDEN, H, num_kv_heads=HK, head_dim=D, window=window,
-        dtype=jnp.float32, key=jax.random.PRNGKey(9))
+        dtype=jnp.float32, key=jax.random.PRNGKey(9), **kw)
     return eqx.tree_at(lambda m: [getattr(m, n).weight for n in PARAM_NAMES] + [m.A], layer,
                        [p[n].T for n in PARAM_NAMES] + [p["A"]])
 
@@ -665,3 +665,62 @@ def test_gated_twins_match_nnx():
 
     with pytest.raises(NotImplementedError, match="no KV cache"):
         layer.init_cache(B, L)
+
+
+# ---- softmax-threshold skipping (softmax_threshold=t: flash_dmattn's, on the layer's mask) -----
+
+def test_softmax_threshold_layers():
+    """A layer with a softmax threshold runs flash_dmattn's rule on its top-window mask (given
+    as key ranges): a threshold that drops nothing equals the exact layer (which runs the
+    compact-key path), one that drops blocks changes the output; the Linen and Equinox twins
+    equal the NNX layer (output and gradients); such an NNX layer refuses a KV cache."""
+    length, window = 300, 300  # several 128-key blocks: the rule's grid has something to drop
+    x = layer_input(length=length)
+    exact = make_nnx_layer(window)
+    p = nnx_params(exact)
+
+    def nnx_layer(t):
+        layer = dma_flax.DynamicMaskAttention(HIDDEN, H, num_kv_heads=HK, head_dim=D,
+                                              window=window, softmax_threshold=t,
+                                              rngs=nnx.Rngs(0))
+        layer.A[...] = exact.A[...]
+        return layer
+
+    want = nnx.jit(lambda m, x: m(x))(exact, x)
+    kept = nnx.jit(lambda m, x: m(x))(nnx_layer(1e-9), x)
+    assert_close("no block dropped", kept, want, TOL_FP32)
+
+    t = 50.0  # cut = lse + log(t / n): above flat scores once a block is in
+    layer = nnx_layer(t)
+    graphdef, state = nnx.split(layer)
+
+    def nnx_loss(state):
+        out = nnx.merge(graphdef, state)(x)
+        return jnp.sum(out**2), out
+
+    grads, got = jax.jit(jax.grad(nnx_loss, has_aux=True))(state)
+    assert rel_error(got, want) > 1e-3  # the threshold reached the kernel
+    want_grads = nnx_params(nnx.merge(graphdef, grads))
+
+    linen_layer = dma_flax.DynamicMaskAttentionLinen(HIDDEN, H, window, num_kv_heads=HK,
+                                                     head_dim=D, softmax_threshold=t)
+    l_grads, l_out = jax.jit(jax.grad(
+        lambda v: (jnp.sum(linen_layer.apply(v, x)**2), linen_layer.apply(v, x)),
+        has_aux=True))(linen_variables(p))
+    assert_close("linen", l_out, got, TOL_FP32)
+    for n in PARAM_NAMES:
+        assert_close(f"linen d{n}", l_grads["params"][n]["kernel"], want_grads[n], TOL_FP32)
+
+    eqx_layer = equinox_layer(p, window, softmax_threshold=t)
+
+    @eqx.filter_jit
+    def run(m):
+        return eqx.filter_grad(lambda m: (jnp.sum(m(x)**2), m(x)), has_aux=True)(m)
+
+    e_grads, e_out = run(eqx_layer)
+    assert_close("equinox", e_out, got, TOL_FP32)
+    for n in PARAM_NAMES:
+        assert_close(f"equinox d{n}", getattr(e_grads, n).weight.T, want_grads[n], TOL_FP32)
+
+    with pytest.raises(NotImplementedError, match="softmax_threshold"):
+        layer.init_cache(B, length)

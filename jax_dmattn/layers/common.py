@@ -23,6 +23,10 @@ projects one scalar per token and head). The compact-key path takes no gate, so 
 the top-``window`` mask to ``flash_dmattn`` in its O(L) form (``masks.topk_key_ranges``, key
 ranges: no ``[L, L]`` array) beside the gate.
 
+Softmax-threshold skipping (``softmax_threshold=t``): ``flash_dmattn``'s ``softmax_threshold``
+on the layer's attention (the top-``window`` mask as key ranges, as for a gated layer); such a
+layer has no KV cache (a decoding call would see other positions of the rule's fixed grid).
+
 Packed batches: with ``segment_ids [B, L]`` (one id per token; each maximal run of equal ids is
 one document) every document is attended as if it were alone in its row: its queries see only
 its own keys (``flash_dmattn``'s segment ids), each query keeps the top-``window`` keys of its
@@ -225,7 +229,8 @@ def gate_values(x: jax.Array, a_proj: Projection,
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: int,
            implementation: str | None = None,
            segment_ids: jax.Array | None = None,
-           gate: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+           gate: tuple[jax.Array, jax.Array] | None = None,
+           softmax_threshold: float | None = None) -> jax.Array:
     """Causal dynamic-mask attention over a whole sequence.
 
     Args:
@@ -238,19 +243,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: in
         ``[B, Hk, L, L]`` mask (see the module docstring).
       gate: optional ``(alpha [B, L, H], delta [B, L, Hk])`` of a gated layer (see the module
         docstring): without segment ids the mask goes to ``flash_dmattn`` as key ranges.
+      softmax_threshold: ``flash_dmattn``'s (None: exact); likewise with key ranges.
 
     Returns:
       ``[B, L, H·D]`` in q's dtype.
     """
     batch, length, heads, head_dim = q.shape
-    if segment_ids is None and gate is None:
+    if segment_ids is None and gate is None and softmax_threshold is None:
         out = dynamic_attention(q, k, v, bias, window, implementation=implementation)
     elif segment_ids is None:
         mask = None
         if window < length:
             mask = masks.KeyRanges(*masks.topk_key_ranges(jax.lax.stop_gradient(bias), window))
         out = flash_dmattn(q, k, v, mask, bias, is_causal=True, gate=gate,
-                           implementation=implementation)
+                           softmax_threshold=softmax_threshold, implementation=implementation)
     else:
         mask = None  # every visible key is kept: the segment ids and causality suffice
         if window < length:
@@ -258,7 +264,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: in
             mask = masks.topk_mask(scores, window, is_causal=True, seqlen_q=length)
         out = flash_dmattn(q, k, v, mask, bias, q_segment_ids=segment_ids,
                            kv_segment_ids=segment_ids, is_causal=True, gate=gate,
-                           implementation=implementation)
+                           softmax_threshold=softmax_threshold, implementation=implementation)
     return out.reshape(batch, length, heads * head_dim)
 
 

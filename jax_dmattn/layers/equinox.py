@@ -37,7 +37,7 @@ class DynamicMaskAttention(eqx.Module):
     the first step). No KV cache. With ``segment_ids`` (packed rows) each run of equal ids is
     a document attended as if alone (see ``jax_dmattn.layers.common``). With ``gated=True``,
     ``a_proj`` (hidden → H) and ``d_proj`` (hidden → Hk) give the gate of gated attention from
-    the layer input (None otherwise).
+    the layer input (None otherwise). ``softmax_threshold`` is ``flash_dmattn``'s.
     """
 
     q_proj: eqx.nn.Linear
@@ -54,11 +54,13 @@ class DynamicMaskAttention(eqx.Module):
     window: int = eqx.field(static=True)
     rope_theta: float | None = eqx.field(static=True)
     implementation: str | None = eqx.field(static=True)
+    softmax_threshold: float | None = eqx.field(static=True)
 
     def __init__(self, hidden_size: int, num_heads: int, *, window: int,
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  rope: bool = True, rope_theta: float = 10000.0, dtype: Any = None,
-                 implementation: str | None = None, gated: bool = False, key: jax.Array):
+                 implementation: str | None = None, gated: bool = False,
+                 softmax_threshold: float | None = None, key: jax.Array):
         """Args:
           hidden_size: model width (input and output features).
           num_heads: query heads ``H``.
@@ -69,6 +71,7 @@ class DynamicMaskAttention(eqx.Module):
           dtype: parameter dtype (Equinox's default floating dtype when None).
           implementation: ``flash_dmattn``'s (None: the best for the platform).
           gated: add the gate projections ``a_proj`` and ``d_proj`` (gated attention).
+          softmax_threshold: ``flash_dmattn``'s (None: exact attention).
           key: initialisation PRNG key.
         """
         self.num_kv_heads, self.head_dim = common.check_config(
@@ -76,6 +79,7 @@ class DynamicMaskAttention(eqx.Module):
         self.num_heads, self.window = num_heads, window
         self.rope_theta = rope_theta if rope else None
         self.implementation = implementation
+        self.softmax_threshold = softmax_threshold
         kv = self.num_kv_heads * self.head_dim
         keys = iter(jax.random.split(key, 5))
 
@@ -124,6 +128,7 @@ class DynamicMaskAttention(eqx.Module):
         gate = None
         if self.a_proj is not None:
             gate = common.gate_values(x, _tokenwise(self.a_proj), _tokenwise(self.d_proj))
-        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate)
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate,
+                            self.softmax_threshold)
         out = _tokenwise(self.o_proj)(out)
         return out[0] if unbatched else out

@@ -145,7 +145,8 @@ class DynamicMaskAttention(nnx.Module):
 
     With ``gated=True``, ``a_proj`` (hidden → H) and ``d_proj`` (hidden → Hk), without bias, give
     the gate ``(alpha, delta)`` of gated attention from the layer input (see
-    ``jax_dmattn.layers.common``); such a layer has no KV cache.
+    ``jax_dmattn.layers.common``); such a layer has no KV cache. ``softmax_threshold`` is
+    ``flash_dmattn``'s (tile skipping; no KV cache either).
 
     ``layer(x [B, L, hidden], positions=None, segment_ids=None) -> [B, L, hidden]``. After
     ``layer.init_cache(batch, max_length)``, calls decode: each call appends its tokens' keys,
@@ -161,7 +162,8 @@ class DynamicMaskAttention(nnx.Module):
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  rope: bool = True, rope_theta: float = 10000.0, dtype: Any = None,
                  param_dtype: Any = jnp.float32, implementation: str | None = None,
-                 gated: bool = False, rngs: nnx.Rngs):
+                 gated: bool = False, softmax_threshold: float | None = None,
+                 rngs: nnx.Rngs):
         """Args:
           hidden_size: model width (input and output features).
           num_heads: query heads ``H``.
@@ -173,6 +175,7 @@ class DynamicMaskAttention(nnx.Module):
           param_dtype: parameter dtype.
           implementation: ``flash_dmattn``'s (None: the best for the platform).
           gated: add the gate projections ``a_proj`` and ``d_proj`` (gated attention).
+          softmax_threshold: ``flash_dmattn``'s (None: exact attention).
           rngs: initialisation randomness.
         """
         self.num_kv_heads, self.head_dim = common.check_config(
@@ -193,6 +196,7 @@ class DynamicMaskAttention(nnx.Module):
         self.o_proj = linear(num_heads * self.head_dim, hidden_size)
         self.A = nnx.Param(jnp.ones((self.num_kv_heads,), param_dtype))
         self.gated = gated
+        self.softmax_threshold = softmax_threshold
         if gated:
             self.a_proj = linear(hidden_size, num_heads)
             self.d_proj = linear(hidden_size, self.num_kv_heads)
@@ -210,10 +214,16 @@ class DynamicMaskAttention(nnx.Module):
         `dtype` (default: the layer's dtype, else float32), scores ``[batch_size, Hk, 1,
         max_length]`` float32, segment ids ``[batch_size, max_length]`` int32 (0: tokens cached
         without ids count as segment 0) and the fill index. Later calls decode; together they
-        may append at most ``max_length`` tokens. Not for a gated layer."""
+        may append at most ``max_length`` tokens. Not for a gated layer or one with a softmax
+        threshold."""
         if self.gated:
             raise NotImplementedError("a gated DynamicMaskAttention has no KV cache yet (its "
                                       "deltas would need one too); decode with gated=False")
+        if self.softmax_threshold is not None:
+            raise NotImplementedError("a DynamicMaskAttention with a softmax_threshold has no KV "
+                                      "cache (a decoding call would see other positions of the "
+                                      "threshold's fixed grid); decode with "
+                                      "softmax_threshold=None")
         dtype = dtype or self.dtype or jnp.float32
         shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
@@ -250,7 +260,7 @@ class DynamicMaskAttention(nnx.Module):
                 rope_theta=self.rope_theta, segment_ids=segment_ids)
             gate = (common.gate_values(x, self.a_proj, self.d_proj) if self.gated else None)
             return self.o_proj(common.attend(q, k, v, bias, self.window, self.implementation,
-                                             segment_ids, gate))
+                                             segment_ids, gate, self.softmax_threshold))
         start = self.cache_index[...]
         zero = jnp.zeros((), jnp.int32)
         kv_segment_ids = None
@@ -302,6 +312,7 @@ class DynamicMaskAttentionLinen(linen.Module):
       implementation: ``flash_dmattn``'s (None: the best for the platform).
       gated: add the gate projections ``a_proj`` (→ H) and ``d_proj`` (→ Hk) of gated
         attention, as in :class:`DynamicMaskAttention`.
+      softmax_threshold: ``flash_dmattn``'s (None: exact attention).
     """
 
     hidden_size: int
@@ -315,6 +326,7 @@ class DynamicMaskAttentionLinen(linen.Module):
     param_dtype: Any = jnp.float32
     implementation: str | None = None
     gated: bool = False
+    softmax_threshold: float | None = None
 
     @linen.compact
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
@@ -342,5 +354,6 @@ class DynamicMaskAttentionLinen(linen.Module):
             rope_theta=self.rope_theta if self.rope else None, segment_ids=segment_ids)
         gate = (common.gate_values(x, dense(self.num_heads, "a_proj"),
                                    dense(num_kv_heads, "d_proj")) if self.gated else None)
-        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate)
+        out = common.attend(q, k, v, bias, self.window, self.implementation, segment_ids, gate,
+                            self.softmax_threshold)
         return dense(self.hidden_size, "o_proj")(out)
