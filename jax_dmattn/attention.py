@@ -139,7 +139,9 @@ def flash_dmattn(
         ``i``'s visible scores in the blocks ``(qb, kb' < kb)`` that were kept (``-inf`` before
         the first), and ``n_i`` is the number of keys row ``i`` may see by position alone (the
         key length, causality, the window and its kv head's window with sink; not the mask,
-        segment ids or other mask forms). A dropped block's pairs are hidden like masked ones
+        segment ids or other mask forms; a score of ``-inf``, from a ``-inf`` bias, counts as
+        hidden, so a block of such scores alone is never dropped). A dropped block's pairs are
+        hidden like masked ones
         (no V read and no P·V in the forward, no dO / dP work in the backward; Q·Kᵀ still runs
         on it), so a row's first block with a visible key is never dropped and no row loses
         every key. The forward records the dropped blocks and the backward skips exactly those:

@@ -147,10 +147,11 @@ def softmax_skip_blocks(threshold: float, s: jax.Array, visible: jax.Array,
     may see by position alone; broadcastable).
 
     For each block of rows, key blocks ``kb = 0, 1, ...`` in increasing order: block ``kb`` is
-    dropped when it holds a visible pair and, for every row ``i`` of it, every visible
-    ``s_ij`` there is below ``lse_i + log(threshold / n_i)``, ``lse_i`` the log-sum-exp of the
-    row's visible scores in the blocks before ``kb`` that were kept (``-inf`` before the first,
-    so the first block holding a visible key of some row is kept). Computed in s's dtype."""
+    dropped when it holds a visible pair (a score above -inf) and, for every row ``i`` of it,
+    every visible ``s_ij`` there is below ``lse_i + log(threshold / n_i)``, ``lse_i`` the
+    log-sum-exp of the row's visible scores in the blocks before ``kb`` that were kept (``-inf``
+    before the first, so the first block holding a visible key of some row is kept). Computed
+    in s's dtype."""
     s = jax.lax.stop_gradient(s)
     *lead, seqlen_q, seqlen_k = s.shape
     nqb, nkb = -(-seqlen_q // SKIP_BLOCK_Q), -(-seqlen_k // SKIP_BLOCK_K)

@@ -288,6 +288,27 @@ def test_dropped_block_is_never_read():
         np.testing.assert_array_equal(g, ref, err_msg=name)
 
 
+def test_blocks_of_minus_inf_scores_are_not_recorded():
+    """Key blocks whose visible scores are all -inf (a -inf bias there) weigh nothing, and the
+    kernel records them in the drop map as the reference does: not dropped (the reference's
+    rule looks at the finite scores only). Block 0 is the rows' first block with a visible key,
+    block 2 comes after a kept one. The kernel dropped both (its decision read a -inf score as
+    a hidden one, yet counted the block as holding visible pairs)."""
+    rng = np.random.default_rng(11)
+    lq, lk, dim = 200, 384, 32
+    q, k, v = qkv(rng, 1, lq, lk, 2, 1, dim)
+    bias = np.zeros((1, 2, 1, lk), np.float32)
+    bias[..., :SKIP_BLOCK_K] = -np.inf
+    bias[..., 2 * SKIP_BLOCK_K:] = -np.inf
+    bias = jnp.asarray(bias)
+    params = AttentionParams(scale=dim ** -0.5, softmax_threshold=0.5)
+    drops = kernel_drop_map(params, q, k, v, None, bias)
+    _, _, ref_drops = reference.attention(params, to64(q), to64(k), to64(v), None, to64(bias),
+                                          return_drop_map=True)
+    np.testing.assert_array_equal(drops, ref_drops)
+    assert not drops.any()
+
+
 # ---- transformations -----------------------------------------------------------------------------
 
 

@@ -225,8 +225,10 @@ void SkipForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64
       }
     }
     if (!any_visible) continue;
-    // The decision: does some row hold a visible score at or above its cut?
-    bool keep = false;
+    // The decision: does some row hold a visible score at or above its cut? A block whose
+    // visible scores are all -inf (a -inf bias) weighs nothing and holds no visible pair for
+    // the rule (reference.softmax_skip_blocks looks at scores above -inf): never recorded.
+    bool keep = false, any_finite = false;  // any score not -inf
     for (int64_t half = 0; half < kHalves && !keep; ++half) {
       const ForwardTiles& state = tiles[half];
       for (int64_t r = 0; r < rows[half].rows && !keep; ++r) {
@@ -238,14 +240,18 @@ void SkipForwardTask(const AttentionShape& shape, const ForwardArgs& args, int64
           const Tile t = MakeTile(item, sb * kHalves + half, sk * kParts + p);
           const float* srow = scores[half * kParts + p].get() + r * kBlockN;
           for (int64_t c = 0; c < t.cols; ++c) {
-            if (srow[c] > -INFINITY && srow[c] >= cut) {
-              keep = true;
-              break;
+            if (srow[c] != -INFINITY) {  // NaN counts (and is dropped, as before)
+              any_finite = true;
+              if (srow[c] >= cut) {
+                keep = true;
+                break;
+              }
             }
           }
         }
       }
     }
+    if (!any_finite) continue;  // nothing to fold in: exp(-inf) = 0
     if (!keep) {
       drops[sk] = 1;
       continue;
