@@ -11,8 +11,8 @@
 // atomic in the forward's workspace, zeroed by the launcher), so a CTA that finishes early takes
 // more tiles: a greedy, longest-first schedule. (Drawing it as the CTA starts a tile, the
 // atomic's round trip hidden, cost the causal and block-sparse forwards 3-5 %: a CTA then
-// commits to its next tile a whole tile early.) Without the counter,
-// the CTAs stride the order by gridDim.x. The producer draws the tiles, works out what each
+// commits to its next tile a whole tile early.) Without the counter, the CTAs stride the order
+// by gridDim.x. The producer draws the tiles, works out what each
 // covers (tile_work: 64-bit divisions and the sequence lengths' loads, a few hundred
 // instructions) and hands both to the consumers through a two-slot queue in shared memory
 // (TileQueue).
