@@ -7,11 +7,13 @@ as "n/a (reason)" and the run goes on. Each suite writes gpu_<suite>.md and gpu_
 
 A fifth suite, `packed` (issue 24: sequence packing with segment ids), times 8 documents of 2k
 tokens packed in one L16k row (D128 H16 causal) with ids, the same documents as a batch [8, 2k],
-and cuDNN / xla on the packed row with the equivalent dense mask; its calls are timed back to back
-(DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps it reports
-(packed / batch, cuDNN / packed) are within the per-call latency of a block after every call.
+and cuDNN / xla on the packed row with the equivalent dense mask; a sixth, `sinks` (issue 27),
+a per-kv-head table of sink 64 + window 1024 (L16k D128 H16 causal) against the same window
+without sinks and cuDNN with the equivalent dense mask. Their calls are timed back to back
+(DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps they report
+are within the per-call latency of a block after every call.
 
-    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,all}
+    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,sinks,all}
         [--quick] [--iters 20] [--out benchmarks/results]
 
 Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
@@ -42,14 +44,16 @@ from jax_dmattn._timing import attention_flops, back_to_back_ms, median_ms
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ("dense", "bias_mask", "dynamic", "density", "packed")
+SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks")
 # Suites timed back to back (DESIGN.md §5); the others keep the median of synchronised calls that
 # their recorded results were measured with.
-BACK_TO_BACK = ("packed",)
+BACK_TO_BACK = ("packed", "sinks")
 BACK_TO_BACK_REPEATS = 3
-IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "cudnn", "xla")
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "jax_dmattn_window", "cudnn",
+         "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
-         "jax_dmattn_batch": "jax_dmattn (as a batch)", "cudnn": "cuDNN", "xla": "xla"}
+         "jax_dmattn_batch": "jax_dmattn (as a batch)",
+         "jax_dmattn_window": "jax_dmattn (window, no sinks)", "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
 JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
@@ -143,21 +147,23 @@ def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
 
 # ---- timing cells ---------------------------------------------------------------------------
 
-def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None) -> Callable:
+def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None,
+                 window_sizes=None) -> Callable:
     """(q, k, v, mask, bias[, segment_ids]) → out for one implementation. With a `window` (the
     dynamic suite), jax_dmattn is ``dynamic_attention``, which makes its own key lists from the
-    bias and ignores the mask; jax_dmattn_mask and jax_dmattn_batch (the packed suite's documents
-    as a batch) are always ``flash_dmattn``. ``segment_ids`` [B, L] (the packed suite) go to
-    ``flash_dmattn`` as both the query and the key ids."""
+    bias and ignores the mask; jax_dmattn_mask, jax_dmattn_batch (the packed suite's documents
+    as a batch) and jax_dmattn_window (the sinks suite's window alone) are always
+    ``flash_dmattn``. ``segment_ids`` [B, L] (the packed suite) go to ``flash_dmattn`` as both
+    the query and the key ids, `window_sizes` (the sinks suite's table) as its window table."""
     if impl == "jax_dmattn" and window is not None:
         def attend(q, k, v, mask, bias):
             return dynamic_attention(q, k, v, bias, window, is_causal=causal,
                                      implementation=ours)
-    elif impl in ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch"):
+    elif impl.startswith("jax_dmattn"):
         def attend(q, k, v, mask, bias, segment_ids=None):
             return jax_dmattn.flash_dmattn(q, k, v, mask, bias, q_segment_ids=segment_ids,
                                            kv_segment_ids=segment_ids, is_causal=causal,
-                                           implementation=ours)
+                                           window_sizes=window_sizes, implementation=ours)
     else:
         def attend(q, k, v, mask, bias):
             return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
@@ -180,7 +186,8 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool,
     jit arguments like the mask (not constants folded into the program)."""
     if impl == "cudnn" and not bench.on_gpu:
         return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
-    attend = attention_fn(impl, causal, bench.ours, inputs.get("window"))
+    attend = attention_fn(impl, causal, bench.ours, inputs.get("window"),
+                          inputs.get("window_sizes"))
     with_bias = inputs["bias"] is not None
     ids = [] if inputs.get("segment_ids") is None else [inputs["segment_ids"]]
 
@@ -475,6 +482,56 @@ def suite_packed(bench: Bench) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+SINK, SINK_WINDOW = 64, 1024
+SINKS_MAX_VS_WINDOW = 1.2  # issue 27: sink + window fwd+bwd within 1.2x of the window alone
+SINKS_MIN_VS_CUDNN = 5.0  # and at least 5x faster than cuDNN given the equivalent dense mask
+
+
+def suite_sinks(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Attention sinks (issue 27): D=128, H=16, causal, a per-kv-head window table of sink 64 +
+    window 1024 keys, against the same table without sinks and against cuDNN with the
+    equivalent dense mask [1, 1, L, L]."""
+    heads, head_dim, length = (2, 128, 1024) if bench.quick else (16, 128, 16384)
+    sink, window = (16, 128) if bench.quick else (SINK, SINK_WINDOW)
+    inputs = qkv(1, length, heads, heads, head_dim)
+    rows_i = jnp.arange(length)[:, None]
+    cols = jnp.arange(length)[None, :]
+    dense = (((cols < sink) | (cols >= rows_i - window)) & (cols <= rows_i))[None, None]
+    label = f"D={head_dim} L={kilo(length)} H={heads} causal sink {sink} + window {window}"
+    config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=True, sink=sink,
+                  window=window)
+    pairs = sum(min(i + 1, window + 1 + min(sink, max(i - window, 0))) for i in range(length))
+    flops = 4.0 * heads * pairs * head_dim
+    table = ((sink, window, 0),) * heads
+    rows = measure(bench, "sinks", label, config,
+                   {**inputs, "mask": None, "bias": None, "window_sizes": table}, True, flops,
+                   impls=("jax_dmattn", "jax_dmattn_window", "cudnn"),
+                   overrides={"jax_dmattn_window": {"window_sizes": ((0, window, 0),) * heads},
+                              "cudnn": {"mask": dense, "window_sizes": None}})
+    free(inputs, dense)
+    notes = [f"jax_dmattn: `flash_dmattn(..., is_causal=True, window_sizes=[[{sink}, {window}, "
+             f"0]] * {heads})` (a row per kv head: the first {sink} keys and the {window} keys "
+             f"before each query); jax_dmattn (window, no sinks): the table [[0, {window}, 0]] * "
+             f"{heads}; cuDNN: `jax.nn.dot_product_attention` with the equivalent bool mask "
+             f"[1, 1, {kilo(length)}, {kilo(length)}] and is_causal=True; no bias; gradients "
+             "wrt q, k, v",
+             "TF/s counts the visible pairs' FLOPs (4·H·pairs·D forward, 3.5× that "
+             "forward+backward), the same for every implementation", JAX_NN_MASK]
+    for row in rows:
+        ms = {impl: cell.get("ms") for impl, cell in row["results"].items()}
+        ours, alone, cudnn = ms.get("jax_dmattn"), ms.get("jax_dmattn_window"), ms.get("cudnn")
+        words = []
+        if ours and alone:
+            words.append(f"sinks / window alone = {ours / alone:.3f}× (issue 27: ≤ "
+                         f"{SINKS_MAX_VS_WINDOW}× forward+backward)")
+        if ours and cudnn:
+            words.append(f"cuDNN / sinks = {cudnn / ours:.2f}× (issue 27: ≥ "
+                         f"{SINKS_MIN_VS_CUDNN:g}× forward+backward)")
+        if words:
+            notes.append(f"{row['pass']}: " + "; ".join(words))
+    return rows, notes
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def fmt_ms(ms: float) -> str:
@@ -646,7 +703,7 @@ def main() -> None:
     say(f"device: {meta['device']} (driver {meta['driver']}); jax {meta['jax']}; "
         f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
     runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
-               "density": suite_density, "packed": suite_packed}
+               "density": suite_density, "packed": suite_packed, "sinks": suite_sinks}
     results = {}
     for suite in SUITES if args.suite == "all" else (args.suite,):
         rows, notes = runners[suite](bench)

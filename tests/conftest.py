@@ -81,7 +81,7 @@ def fake_cuda_build(monkeypatch, head_dims: list[int], **extra) -> None:
     from jax_dmattn import _ffi, ops
 
     build = {"cuda": True, "cuda_head_dims": list(head_dims), "cuda_dtypes": "bf16,fp16",
-             "cuda_archs": "90a", "xla_ffi_api": [0, 3], **extra}
+             "cuda_archs": "90a", "xla_ffi_api": [0, 3], "cuda_window_heads": 64, **extra}
     monkeypatch.setattr(_ffi, "build_info", lambda: build)
     monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
     monkeypatch.setattr(ops, "_warned_fallbacks", set())

@@ -89,10 +89,40 @@ def test_matches_float64_reference(case):
     reference on the dense mask: per-head tables (sinks 0 to past Lk, unbounded sides), with
     causality, a dense mask or key ranges, full and per-key biases, GQA, Lq != Lk, bf16, and
     (dot_product_attention) sequence lengths, which hide sink keys past them too."""
+    _check_against_reference(case, "cpu")
+
+
+# The CUDA kernels' cases: every compiled head dim's paths (the Hopper forward at D 64 / 128 /
+# 256, the FlashAttention-2-class kernels elsewhere, the backward), sinks apart from the band
+# over several 128-key blocks (the walks step over the gap) and inside it, fp16 and bf16.
+GPU_TABLES = {
+    "far-sinks2": [[64, 200, 0], [5, 300, 0]],
+    "mixed4": TABLES["mixed4"],
+    "near2": [[300, 100, 30], [0, -1, 50]],
+}
+GPU_CASES = [
+    ("flash", 1, 1100, 1100, 4, 2, 128, "far-sinks2", True, None, None, jnp.bfloat16),
+    ("flash", 2, 700, 900, 8, 4, 64, "mixed4", True, "dense", "full", jnp.float16),
+    ("flash", 1, 600, 600, 4, 2, 256, "far-sinks2", True, None, "keys", jnp.bfloat16),
+    ("flash", 2, 300, 500, 4, 2, 128, "near2", False, "dense", "keys", jnp.float16),
+    ("dpa", 2, 500, 700, 4, 2, 64, "far-sinks2", True, None, "full", jnp.bfloat16),
+    ("flash", 2, 3, 3000, 4, 2, 128, "far-sinks2", True, None, "keys", jnp.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_cuda_matches_float64_reference(case):
+    """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
+    the CPU kernels above; the last case decodes (keys split over CTAs)."""
+    _check_against_reference(case, "cuda")
+
+
+def _check_against_reference(case, implementation):
     front, batch, lq, lk, heads, kv_heads, d, name, causal, other, bias_kind, dtype = case
     rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
-    table = TABLES[name]
+    table = {**TABLES, **GPU_TABLES}[name]
     table = np.broadcast_to(np.asarray(table), (kv_heads, 3))
     offset = lk - lq if front == "flash" else 0
     dense = np.broadcast_to(window_mask(table, lq, lk, offset)[None], (batch, kv_heads, lq, lk))
@@ -130,7 +160,7 @@ def test_matches_float64_reference(case):
                 return out, jnp.swapaxes(res, -1, -2)
             return fn
 
-    out, lse, grads = outputs_and_grads(run("cpu", mask, table), q, k, v, bias)
+    out, lse, grads = outputs_and_grads(run(implementation, mask, table), q, k, v, bias)
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         run("xla", jnp.asarray(dense), None), to64(q), to64(k), to64(v), to64(bias))
     assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
@@ -359,25 +389,28 @@ def test_traced_table_and_local_window_size_refused():
                               implementation="cpu")
 
 
-# ---- the GPU: the reference, with a warning ---------------------------------------------------
+# ---- the GPU: the CUDA kernels take tables of up to build_info()["cuda_window_heads"] kv heads
 
-def test_cuda_refuses_per_head_windows(monkeypatch):
-    """On a GPU with kernels for the call, a per-head table still goes to the reference: None
-    warns once naming the reason, implementation="cuda" raises."""
+def test_cuda_takes_per_head_windows(monkeypatch):
+    """On a GPU with kernels for the call, a per-head table with sinks runs on them; beside
+    segment ids, or of more kv heads than the kernels' parameters hold, it goes to the reference
+    (None warns once naming the reason, implementation="cuda" raises)."""
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
-    fake_cuda_build(monkeypatch, [16, 128])
     table = ((4, 10, 0), (0, 3, 0))
     params = AttentionParams(scale=0.1, window_sizes=table)
-    assert ops.uses_kernel("cuda", AttentionParams(scale=0.1, window_left=10), jnp.bfloat16, 128)
-    assert_cuda_refuses(params, "per-kv-head windows or sinks")
+    fake_cuda_build(monkeypatch, [16, 128])
+    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
+    assert_cuda_refuses(params, "window table .* together with segment ids", has_segments=True)
+    fake_cuda_build(monkeypatch, [16, 128], cuda_window_heads=1)
+    assert_cuda_refuses(params, "window tables .* of at most 1 kv heads, not 2")
 
 
 def test_cuda_lowering(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a per-head
-    table makes no FFI call (None warns and lowers the reference, "cuda" raises); a shared window
-    without sink calls the CUDA kernels, with no table."""
+    table calls the CUDA kernels with the table as an attribute, implementation="cuda" too; a
+    shared window without sink calls them with no table."""
 
     calls = record_ffi_calls(monkeypatch)
     fake_cuda_build(monkeypatch, [16, 128])
@@ -387,11 +420,14 @@ def test_cuda_lowering(monkeypatch):
     def lower(implementation, table):
         lower_for_cuda(q, k, v, is_causal=True, window_sizes=table, implementation=implementation)
 
-    with pytest.warns(RuntimeWarning, match="per-kv-head windows or sinks"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         lower(None, [[4, 10, 0], [0, 3, 0]])
-    assert calls == []
-    with pytest.raises(ValueError, match="per-kv-head windows or sinks"):
         lower("cuda", (1, 10, 0))
+    assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+    assert [list(attrs["window_sizes"]) for *_, attrs in calls] == (
+        2 * [[4, 10, 0, 0, 3, 0]] + 2 * [[1, 10, 0, 1, 10, 0]])
+    calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lower("cuda", [[0, 10, 3], [0, 10, 3]])

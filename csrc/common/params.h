@@ -23,6 +23,9 @@ constexpr int kMaxBatchDims = 4;
 constexpr int kMaxWorkspaces = 2;
 // Rows and columns of one cell of the CUDA kernels' mask block map (cuda/attention.h).
 constexpr int kMaskMapCell = 64;
+// Kv heads of the largest per-kv-head window table (AttentionShape::head_windows) that the CUDA
+// kernels take: it travels in their parameters (cuda/kernel_params.h).
+constexpr int kMaxWindowHeads = 64;
 // Bytes per row of the CUDA kernels' bit-packed mask (cuda/attention.h): a bit per key, rows
 // padded to whole 16-byte units (128 keys), which TMA can address.
 constexpr int64_t MaskBitsRowBytes(int64_t cols) { return (cols + 127) / 128 * 16; }

@@ -48,7 +48,9 @@ __global__ void __launch_bounds__(kWeightWarps * 32)
   const int64_t b = bh / s.num_heads;
   const int h = static_cast<int>(bh % s.num_heads);
   const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
-  const BlockRange keys = visible_key_blocks<BM, BN>(L, make_band(s), m * BM);
+  const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
+  const BlockRange keys =
+      visible_key_blocks<BM, BN>(L, position_rule(s, p.windows, hk), m * BM).all;
   const MaskMapView map(p.mask_map, s, b, h);
 
   const int row0 = m * (BM / kMaskMapCell), rows = min(BM / kMaskMapCell, map.rows - row0);
@@ -80,13 +82,13 @@ __global__ void __launch_bounds__(kWeightWarps * 32)
   const int n0 = static_cast<int>(cta % p.n_blocks) * BN;
   const int hk = static_cast<int>((cta / p.n_blocks) % Hk);
   const int64_t cls = cta / p.n_blocks / Hk;
-  const Band band = make_band(s);
+  const PositionRule rule = position_rule(s, p.windows, hk);
   int tiles = 0;
   for (int64_t pi = 0; pi < p.kv_members * G; ++pi) {
     const int64_t b = batch_of(p, cls, pi / G);
     const MaskMapView map(p.mask_map, s, b, hk * G + static_cast<int>(pi % G));
     int m_first, m_last;
-    query_blocks_seeing<BM, BN>(n0, seq_lens(s, p.q_lens, p.kv_lens, b), band, &m_first,
+    query_blocks_seeing<BM, BN>(n0, seq_lens(s, p.q_lens, p.kv_lens, b), rule, &m_first,
                                 &m_last);
     for (int m = m_first + lane; m <= m_last; m += 32) {
       tiles += map.tile<BM, BN>(m * BM, n0) & kTileAny;

@@ -26,7 +26,9 @@
 //
 // Segment ids (kSegments): the walk over query blocks also skips the blocks whose query ids
 // cannot meet the key block's ids, and blocks with more than one id compare the ids of each
-// score (segments.cuh).
+// score (segments.cuh). Window tables (kTable): each key block's query range is that of its kv
+// head's band, or with sink keys in the block, of the call's band; with sinks the CTAs run
+// rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
@@ -211,17 +213,47 @@ struct BwdPair {
 };
 static_assert(sizeof(BwdPair) == 64, "BwdPair fills its 64-byte slot");
 
+// The work of backward CTA `bid`: a key block of one (kv head, dk/dv class) segment. Segments
+// are the slow index, or with ranks_outer the fast one; a segment's key blocks go by rank, in
+// block_order's order where there is one. (Only calls with a window table set ranks_outer: they
+// run the kTable kernels.)
+struct BwdCta {
+  int n_block;
+  int hk;
+  int64_t cls;
+};
+
+template <bool kTable>
+__device__ __forceinline__ BwdCta bwd_cta(const BwdParams& p, int64_t bid) {
+  const int Hk = static_cast<int>(p.s.num_kv_heads);
+  if (kTable && p.ranks_outer) {
+    const int64_t segment = bid % (Hk * p.kv_classes);
+    const int rank = static_cast<int>(bid / (Hk * p.kv_classes));
+    return {p.block_order ? p.block_order[segment * p.n_blocks + rank] : rank,
+            static_cast<int>(segment % Hk), segment / Hk};
+  }
+  return {p.block_order ? p.block_order[bid] : static_cast<int>(bid % p.n_blocks),
+          static_cast<int>((bid / p.n_blocks) % Hk), bid / p.n_blocks / Hk};
+}
+
 // Query blocks [*m_first, *m_last] (empty: last < first) of BM rows that see any key of the BN
-// keys from n0, from lengths and the diagonal band alone.
-template <int BM, int BN>
-__device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L, const Band& band,
-                                                    int* m_first, int* m_last) {
+// keys from n0, from lengths and the position rule alone. The rows that see the block's sink
+// keys (under the call's band, which contains the rule's band) and those that see its keys by
+// the band overlap, so one range holds both.
+template <int BM, int BN, bool kSinks = true>
+__device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L,
+                                                    const PositionRule& rule, int* m_first,
+                                                    int* m_last) {
   *m_first = 0;
   *m_last = -1;
   if (n0 >= L.kv_len || L.q_len <= 0) return;
   const int j_last = min(n0 + BN, L.kv_len) - 1;
-  int64_t i_min = static_cast<int64_t>(n0) - band.dmax;      // j <= i + dmax
-  int64_t i_max = static_cast<int64_t>(j_last) - band.dmin;  // j >= i + dmin
+  int64_t i_min = static_cast<int64_t>(n0) - rule.band.dmax;      // j <= i + dmax
+  int64_t i_max = static_cast<int64_t>(j_last) - rule.band.dmin;  // j >= i + dmin
+  if (kSinks && n0 < rule.sink) {  // and the rows that see the block's sink keys
+    i_min = min(i_min, static_cast<int64_t>(n0) - rule.outer.dmax);
+    i_max = max(i_max, static_cast<int64_t>(min(j_last, rule.sink - 1)) - rule.outer.dmin);
+  }
   i_min = i_min < 0 ? 0 : i_min;
   i_max = i_max > L.q_len - 1 ? L.q_len - 1 : i_max;
   if (i_max >= i_min) {
@@ -230,7 +262,7 @@ __device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L, co
   }
 }
 
-template <typename Tr, typename T, bool kBias, bool kSegments>
+template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
@@ -269,13 +301,13 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
   const int Hk = static_cast<int>(s.num_kv_heads);
   const int G = static_cast<int>(s.num_heads / s.num_kv_heads);
-  const int64_t bid = blockIdx.x;
-  const int n_block = p.block_order ? p.block_order[bid] : static_cast<int>(bid % p.n_blocks);
-  const int hk = static_cast<int>((bid / p.n_blocks) % Hk);
-  const int64_t cls = bid / p.n_blocks / Hk;
+  const BwdCta cta = bwd_cta<kTable>(p, blockIdx.x);
+  const int n_block = cta.n_block, hk = cta.hk;
+  const int64_t cls = cta.cls;
   const int n0 = n_block * BN;
   const int Lk = static_cast<int>(s.seqlen_k);
-  const Band band = make_band(s);
+  const PositionRule rule = position_rule_of<kTable>(p, hk);
+  const Band& band = rule.band;
 
   const int64_t q_rs = s.q_row_stride();
   const int64_t kv_rs = s.kv_row_stride();
@@ -392,7 +424,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     __syncthreads();
     const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
     int m_first, m_last;
-    query_blocks_seeing<BM, BN>(n0, L, band, &m_first, &m_last);
+    query_blocks_seeing<BM, BN, kTable>(n0, L, rule, &m_first, &m_last);
 
     auto load_mask = [&](int m, int buf) {
       load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
@@ -572,8 +604,12 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       if (need_bounds) {
         for_each_element<MA, NA>([&](int mt, int t, int e) {
           const int i = m0 + query_of(t, e), j = n0 + key_of(mt, e);
-          const bool in =
-              i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+          bool in;
+          if constexpr (kTable) {
+            in = i < L.q_len && j < L.kv_len && rule.sees(i, j);
+          } else {
+            in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+          }
           hidden |= static_cast<uint32_t>(!in) << element_bit(mt, t, e);
         });
       }
@@ -1043,7 +1079,7 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
   const int Lq = static_cast<int>(s.seqlen_q), Lk = static_cast<int>(s.seqlen_k);
   const SeqLens L = seq_lens(s, nullptr, nullptr, 0);  // dbias_fill: no sequence lengths
   int m_first, m_last;
-  query_blocks_seeing<BM, BN>(n0, L, make_band(s), &m_first, &m_last);
+  query_blocks_seeing<BM, BN>(n0, L, position_rule(s, p.windows, hk), &m_first, &m_last);
   for (int64_t pi = 0; pi < p.kv_members * G; ++pi) {
     const int64_t b = batch_of(p, cls, pi / G);
     const int h = hk * G + static_cast<int>(pi % G);
@@ -1066,8 +1102,8 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
 // trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
 // call has a bias (without, none of the bias and dbias code takes registers from the GEMMs);
-// kSegments: the call has segment ids (likewise).
-template <typename Tr, typename T, bool kBias, bool kSegments>
+// kSegments: the call has segment ids, kTable a window table (likewise; never both).
+template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__)
@@ -1079,7 +1115,7 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   if constexpr (!kCompiled) {
     __trap();
   } else {
-    detail::bwd_main<Tr, T, kBias, kSegments>(p);
+    detail::bwd_main<Tr, T, kBias, kSegments, kTable>(p);
   }
 }
 

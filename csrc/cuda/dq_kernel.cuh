@@ -1,7 +1,7 @@
 // Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
 // accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
 // shape.deterministic; the main backward kernel then skips its dQ phase. Segment ids
-// (kSegments) act as in the forward (segments.cuh).
+// (kSegments) and window tables (kTable) act as in the forward (segments.cuh, fwd_kernel.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
 #pragma once
 
@@ -39,7 +39,7 @@ struct DqTraits {
   static constexpr int kSmem = kOffMask + kMaskTile;
 };
 
-template <typename Tr, typename T, bool kSegments>
+template <typename Tr, typename T, bool kSegments, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqParams dqp) {
   using namespace detail;
   using E = Elem<T>;
@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   const int64_t b = bh / H;
   const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
   const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
-  const Band band = make_band(s);
+  const PositionRule rule = position_rule_of<kTable>(p, hk);
+  const Band& band = rule.band;
   const int Lq = static_cast<int>(s.seqlen_q);
   const int m0 = m_block * BM;
 
@@ -95,8 +96,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
                          : nullptr;
   const int valid_q = L.q_len - m0;
 
-  const BlockRange visible = visible_key_blocks<BM, BN>(L, band, m0);
-  const int n_lo = visible.lo, n_hi = visible.hi;
+  const KeyBlocks visible = visible_key_blocks<BM, BN, kTable>(L, rule, m0);
+  const int n_lo = visible.all.lo, n_hi = visible.all.hi;
 
   auto load_mask = [&](int n) {
     load_operand_tile<BM, BN, Tr::kMaskPitch, NT>(
@@ -154,13 +155,20 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   // A fresh walk at every step: one kept across steps takes registers this 255-register kernel
   // lacks (H200 harness, deterministic dense D=128 L4k backward: 8.32 ms kept, 8.26 fresh).
   const MaskMapView map(p.mask_map, s, b, h);
-  auto next_block = [&](int n, int* flags) {
+  auto walk_next = [&](int n, int* flags) {
     if constexpr (kSegments) {
       const SegmentSpansView spans(p.segment_spans, s, b);
       return segmented_key_block_walk<BM, BN>(map, has_mask, m0, n_lo, spans, spans.rows<BM>(m0))
           .next(n, flags);
     } else {
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
+    }
+  };
+  auto next_block = [&](int n, int* flags) {
+    if constexpr (kTable) {
+      return visible.gap.next(n, flags, walk_next);
+    } else {
+      return walk_next(n, flags);
     }
   };
   int flags;  // of block n
@@ -245,8 +253,12 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
           if (mask_apply) vis = sMask[rr * Tr::kMaskPitch + c] != 0;
           if (need_bounds) {
             const int j = n0 + c;
-            const int dd = j - i;
-            vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+            if constexpr (kTable) {
+              vis = vis && i < L.q_len && j < L.kv_len && rule.sees(i, j);
+            } else {
+              const int dd = j - i;
+              vis = vis && i < L.q_len && j < L.kv_len && dd >= band.dmin && dd <= band.dmax;
+            }
           }
           if (segments_apply) vis = vis && sKeyIds[c] == row_ids[half];
           float x = sc[t][2 * half + e];

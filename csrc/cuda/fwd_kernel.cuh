@@ -13,7 +13,8 @@
 // per-element test. With split-KV each CTA walks one slice of the key blocks and leaves a partial
 // result for fwd_combine.cuh. With segment ids (kSegments) the walk also skips the blocks whose
 // key ids cannot meet the block's query ids, and blocks with more than one id compare the ids
-// of each score (segments.cuh).
+// of each score (segments.cuh). With a window table (kTable) the range is the kv head's band
+// and its sink's blocks, the walk stepping over the gap between them.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -174,8 +175,10 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 
 }  // namespace detail
 
-// kSegments: the call has segment ids (without, none of their code is compiled in).
-template <typename Tr, typename T, bool kSegments>
+// kSegments: the call has segment ids; kTable: a window table (AttentionShape::head_windows).
+// Kernels of their own (never both: launch_template.cuh), so that the others compile none of
+// their code.
+template <typename Tr, typename T, bool kSegments, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
   using E = Elem<T>;
@@ -211,7 +214,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   const int64_t b = bh / H;
   const int hk = h / static_cast<int>(s.num_heads / s.num_kv_heads);
   const SeqLens L = seq_lens(s, p.q_lens, p.kv_lens, b);
-  const Band band = make_band(s);
+  const PositionRule rule = position_rule_of<kTable>(p, hk);
+  const Band& band = rule.band;
   const int Lq = static_cast<int>(s.seqlen_q);
   const int m0 = m_block * BM;
 
@@ -232,9 +236,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
                          : nullptr;
   const int valid_q = L.q_len - m0;  // rows of this block that exist for this batch
 
-  // Key-block range from lengths and the diagonal window alone.
-  const BlockRange visible = visible_key_blocks<BM, BN>(L, band, m0);
-  int n_lo = visible.lo, n_hi = visible.hi;
+  // Key-block range from lengths and the position rule alone (with a sink, its blocks too and
+  // the gap between them stepped over).
+  const KeyBlocks visible = visible_key_blocks<BM, BN, kTable>(L, rule, m0);
+  int n_lo = visible.all.lo, n_hi = visible.all.hi;
   if (p.num_splits > 1) {
     n_lo = max(n_lo, split * p.split_blocks);
     n_hi = min(n_hi, (split + 1) * p.split_blocks);
@@ -278,11 +283,18 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
   };
   auto walk = make_walk();
-  auto next_block = [&](int n, int* flags) {
+  auto walk_next = [&](int n, int* flags) {
     if constexpr (Tr::kSpareRegisters) {
       return walk.next(n, flags);
     } else {
       return make_walk().next(n, flags);
+    }
+  };
+  auto next_block = [&](int n, int* flags) {
+    if constexpr (kTable) {
+      return visible.gap.next(n, flags, walk_next);
+    } else {
+      return walk_next(n, flags);
     }
   };
 
@@ -369,7 +381,12 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       for_each_element<MT, NTS>([&](int mt, int t, int e) {
         const int i = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
         const int j = n0 + t * 8 + 2 * tq + (e & 1);
-        const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+        bool in;
+        if constexpr (kTable) {
+          in = i < L.q_len && j < L.kv_len && rule.sees(i, j);
+        } else {
+          in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+        }
         if (!in) sc[mt][t][e] = -INFINITY;
       });
     }

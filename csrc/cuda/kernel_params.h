@@ -35,6 +35,20 @@ struct SegmentSpanLayout {
   int q_cells = 0, kv_cells = 0;
 };
 
+// Per-kv-head windows with sinks (AttentionShape::head_windows, a host table) as the kernels read
+// it, by value: kv head g sees, by position, the keys of its band (the call's diagonal window
+// narrowed by g's window, as offsets j - i) and the keys j < sink under the call's own window
+// (detail::PositionRule). heads == 0: the call has no table. Calls with more kv heads than fit
+// (kMaxWindowHeads, common/params.h) are refused (SupportsHeadWindows).
+struct HeadWindow {
+  int dmin, dmax;  // the band; +-2^30: unbounded
+  int sink;        // keys [0, sink), sink <= Lk
+};
+struct HeadWindows {
+  int heads = 0;
+  HeadWindow head[kMaxWindowHeads];
+};
+
 struct FwdParams {
   AttentionShape s;
   const void* q;
@@ -79,6 +93,8 @@ struct FwdParams {
   float lse_mul;      // scale, or 1 when softcapped: natural-log units of the row max
   bool mask_vec;      // mask tiles can use 16-byte cp.async
   bool bias_vec;      // bias tiles can use 16-byte cp.async
+  // Last, so that the kernels without a table see the other fields where they always were.
+  HeadWindows windows;
 };
 
 // dbias handling in the backward.
@@ -121,6 +137,7 @@ struct BwdParams {
   int n_blocks;
   // Null: each (kv head, class) runs its key blocks in order. Else [Hk * kv_classes, n_blocks]:
   // the key block of each rank, heaviest first (block_order.cuh; block_weight: its scratch).
+
   int32_t* block_order;
   int32_t* block_weight;
   int dbias_mode;
@@ -141,6 +158,11 @@ struct BwdParams {
   bool mask_vec;
   bool bias_vec;
   bool compute_dq;  // false: a separate deterministic dq kernel runs
+  // With a window table (last, as in FwdParams): ranks_outer: CTAs take ranks as the slow index
+  // (bwd_cta), so that every (kv head, class) starts its first ranks at once (a sink's key
+  // blocks see every query block).
+  bool ranks_outer;
+  HeadWindows windows;
 };
 
 }  // namespace dmattn::cuda

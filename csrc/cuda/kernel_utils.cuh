@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cuda/kernel_params.h"
 
 namespace dmattn::cuda::detail {
 
@@ -434,13 +435,51 @@ __host__ __device__ __forceinline__ Band make_band(const AttentionShape& s) {
   return b;
 }
 
-// Key blocks [lo, hi) of width BN that the lengths and the band leave visible to some query row
-// of m0 .. m0 + BM - 1 (lo == hi when none).
+// Which keys query row i sees by position: those of the band (j - i in [dmin, dmax]) and, with a
+// sink, keys j < sink wherever the call's own band (`outer`, which contains `band`) allows.
+// Without a window table, band == outer and sink == 0.
+struct PositionRule {
+  Band band;
+  Band outer;
+  int sink;
+
+  // (Kernels without a window table test the band alone, written out where they use it: a call
+  // of this, even with the sink known to be 0, compiles to other code.)
+  __device__ __forceinline__ bool sees(int i, int j) const {
+    const int d = j - i;
+    return (d >= band.dmin && d <= band.dmax) || (j < sink && d >= outer.dmin && d <= outer.dmax);
+  }
+};
+
+__host__ __device__ __forceinline__ PositionRule position_rule(const AttentionShape& s,
+                                                               const HeadWindows& windows,
+                                                               int hk) {
+  const Band outer = make_band(s);
+  if (windows.heads == 0) return {outer, outer, 0};
+  const HeadWindow& w = windows.head[hk];
+  return {{w.dmin, w.dmax}, outer, w.sink};
+}
+
+// The rule of kv head hk in a kernel that reads window tables (kTable: the kernels that read
+// per-position rules, kRules) or not (the call's band alone, sink 0 known at compile time).
+template <bool kTable, typename Params>
+__device__ __forceinline__ PositionRule position_rule_of(const Params& p, int hk) {
+  if constexpr (kTable) {
+    return position_rule(p.s, p.windows, hk);
+  } else {
+    const Band band = make_band(p.s);
+    return {band, band, 0};
+  }
+}
+
+// Key blocks [lo, hi) of width BN (lo == hi when none).
 struct BlockRange {
   int lo = 0;
   int hi = 0;
 };
 
+// Key blocks [lo, hi) of width BN that the lengths and the band leave visible to some query row
+// of m0 .. m0 + BM - 1.
 template <int BM, int BN>
 __device__ __forceinline__ BlockRange visible_key_blocks(const SeqLens& L, const Band& band,
                                                          int m0) {
@@ -454,6 +493,56 @@ __device__ __forceinline__ BlockRange visible_key_blocks(const SeqLens& L, const
   if (hi > lo) {
     r.lo = static_cast<int>(lo / BN);
     r.hi = static_cast<int>((hi + BN - 1) / BN);
+  }
+  return r;
+}
+
+// Key blocks [lo, hi) that a walk steps over (none when lo == hi == 0): from the last block to the
+// first, a walk goes on below the gap.
+struct KeyGap {
+  int lo = 0;
+  int hi = 0;
+
+  __device__ __forceinline__ bool holds(int n) const { return n < hi && n >= lo; }
+  // The last block at or below n outside the gap (the next one of a walk without a mask).
+  __device__ __forceinline__ int at_or_below(int n) const { return n < hi ? min(n, lo - 1) : n; }
+  // The next block of a walk at or below n, outside the gap; walk_next(n, flags): the walk's own
+  // next block at or below n (the one the mask leaves visible; its end when none is) and its
+  // flags. A walk that stops inside the gap (a key split starting there) returns its end from
+  // the second trip, below its first block. (One call site of walk_next, which kernels inline.)
+  template <typename WalkNext>
+  __device__ __forceinline__ int next(int n, int* flags, WalkNext&& walk_next) const {
+    for (int trip = 0;; ++trip, n = lo - 1) {
+      n = walk_next(at_or_below(n), flags);
+      if (trip > 0 || !holds(n)) return n;
+    }
+  }
+};
+
+// The key blocks a rule leaves visible to some row of m0 .. m0 + BM - 1: those of its band and
+// of its sink, [all.lo, all.hi) less the blocks of the gap between the two that neither reaches
+// (empty without a sink, or where the two meet).
+struct KeyBlocks {
+  BlockRange all;
+  KeyGap gap;
+};
+
+template <int BM, int BN, bool kSinks = true>
+__device__ __forceinline__ KeyBlocks visible_key_blocks(const SeqLens& L, const PositionRule& rule,
+                                                        int m0) {
+  KeyBlocks r;
+  r.all = visible_key_blocks<BM, BN>(L, rule.band, m0);
+  if (!kSinks || rule.sink <= 0) return r;
+  const SeqLens sink_lens{L.q_len, min(L.kv_len, rule.sink)};
+  const BlockRange sink = visible_key_blocks<BM, BN>(sink_lens, rule.outer, m0);
+  if (sink.hi <= sink.lo) return r;
+  if (r.all.hi <= r.all.lo) {
+    r.all = sink;
+  } else if (sink.hi < r.all.lo) {  // the band starts above the sink's last block
+    r.gap = {sink.hi, r.all.lo};
+    r.all.lo = sink.lo;
+  } else {
+    r.all = {min(r.all.lo, sink.lo), max(r.all.hi, sink.hi)};
   }
   return r;
 }

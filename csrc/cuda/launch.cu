@@ -4,10 +4,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
 #include "cuda/attention.h"
+#include "cuda/kernel_utils.cuh"
 #include "cuda/launch.h"
 
 namespace dmattn::cuda {
@@ -208,6 +210,26 @@ bool HopperReadsOperand(const AttentionShape& s, const BroadcastOperand& op, int
          (s.head_dim <= 128 && op.col_stride == 1 && s.seqlen_k % keys_per_unit == 0);
 }
 
+// The call's window table as the kernels read it (kernel_params.h): each kv head's band, the
+// call's own band narrowed by the head's (sink, left, right) row, and its sink (at most Lk).
+HeadWindows KernelHeadWindows(const AttentionShape& s) {
+  HeadWindows w;
+  if (s.head_windows == nullptr) return w;
+  w.heads = static_cast<int>(s.num_kv_heads);
+  const detail::Band outer = detail::make_band(s);
+  for (int g = 0; g < w.heads; ++g) {
+    const int64_t* row = s.head_windows + 3 * g;
+    AttentionShape head = s;
+    head.window_left = row[1];
+    head.window_right = row[2];
+    const detail::Band own = detail::make_band(head);
+    w.head[g].dmin = std::max(outer.dmin, own.dmin);
+    w.head[g].dmax = std::min(outer.dmax, own.dmax);
+    w.head[g].sink = static_cast<int>(std::min(row[0], s.seqlen_k));
+  }
+  return w;
+}
+
 }  // namespace
 
 void SetForwardKernel(ForwardKernel kernel) {
@@ -277,6 +299,10 @@ int64_t ForwardSplits(const AttentionShape& s) {
   return 1;
 }
 
+bool SupportsHeadWindows(const AttentionShape& s) {
+  return s.head_windows == nullptr || (s.num_kv_heads <= kMaxWindowHeads && !s.has_segments);
+}
+
 // In whole 256-byte units: the workspace after the spans stays aligned.
 int64_t SegmentSpanBytes(const AttentionShape& s) {
   const SegmentSpanLayout l = SegmentSpans(s);
@@ -342,6 +368,8 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.out = args.out;
   p.out_f32 = args.out_f32;
   p.lse = args.lse;
+  if (!SupportsHeadWindows(shape)) return cudaErrorNotSupported;
+  p.windows = KernelHeadWindows(shape);  // the kernels' copy of the host table
   FillCommon(shape, &p.bias_mul, &p.softcap_in, &p.softcap, &p.softmax_mul);
   p.lse_mul = shape.softcap > 0.f ? 1.f : shape.scale;
   p.mask_vec = VectorOk(shape, shape.mask, p.mask, 1);
@@ -430,6 +458,9 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.dv = args.dv;
   p.dbias = args.dbias;
   p.dbias_accum = nullptr;
+  if (!SupportsHeadWindows(shape)) return cudaErrorNotSupported;
+  p.windows = KernelHeadWindows(shape);
+  for (int g = 0; g < p.windows.heads; ++g) p.ranks_outer |= p.windows.head[g].sink > 0;
   FillCommon(shape, &p.bias_mul, &p.softcap_in, &p.softcap, &p.softmax_mul);
   p.scale = shape.scale;
   p.mask_vec = VectorOk(shape, shape.mask, p.mask, 1);

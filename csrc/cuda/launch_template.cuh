@@ -166,7 +166,9 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   const bool segments = p.q_segments != nullptr;
-  auto kernel = segments ? fwd_kernel<Tr, T, true> : fwd_kernel<Tr, T, false>;
+  auto kernel = segments                ? fwd_kernel<Tr, T, true, false>
+                : p.windows.heads > 0 ? fwd_kernel<Tr, T, false, true>
+                                        : fwd_kernel<Tr, T, false, false>;
   const int prefix = segments ? kSegmentSmem : 0;  // the segment ids' tile
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
@@ -193,11 +195,15 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
       using Config = sm90::FwdConfig<D>;
       const bool operands = params.mask != nullptr || params.bias != nullptr;
       const bool segments = params.q_segments != nullptr;
+      const bool table = params.windows.heads > 0;
       cudaError_t e = cudaErrorNotSupported;
       if (!operands && !segments) {
-        e = sm90::RunForward<typename Config::Traits, T>(params, stream);
+        e = table ? sm90::RunForward<typename Config::TableTraits, T>(params, stream)
+                  : sm90::RunForward<typename Config::Traits, T>(params, stream);
       } else if constexpr (D <= 128) {
-        if (!segments) {
+        if (table) {
+          e = sm90::RunForward<typename Config::OperandTableTraits, T>(params, stream);
+        } else if (!segments) {
           e = params.bias != nullptr
                   ? sm90::RunForward<typename Config::OperandTraits, T>(params, stream)
                   : sm90::RunForward<typename Config::MaskTraits, T>(params, stream);
@@ -268,9 +274,14 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   if (cudaError_t e = OrderKeyBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   {
     const bool segments = p.q_segments != nullptr;
+    const bool table = p.windows.heads > 0;
     auto kernel = p.bias != nullptr
-                      ? (segments ? bwd_kernel<Tr, T, true, true> : bwd_kernel<Tr, T, true, false>)
-                      : (segments ? bwd_kernel<Tr, T, false, true> : bwd_kernel<Tr, T, false, false>);
+                      ? (segments ? bwd_kernel<Tr, T, true, true, false>
+                         : table  ? bwd_kernel<Tr, T, true, false, true>
+                                  : bwd_kernel<Tr, T, true, false, false>)
+                      : (segments ? bwd_kernel<Tr, T, false, true, false>
+                         : table  ? bwd_kernel<Tr, T, false, false, true>
+                                  : bwd_kernel<Tr, T, false, false, false>);
     const int smem = (segments ? kSegmentSmem : 0) +
                      Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
@@ -297,7 +308,9 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     dp.m_blocks = static_cast<int>((s.seqlen_q + DqTr::BM - 1) / DqTr::BM);
     const int64_t blocks = static_cast<int64_t>(dp.m_blocks) * B * s.num_heads;
     const bool segments = p.q_segments != nullptr;
-    auto kernel = segments ? dq_kernel<DqTr, T, true> : dq_kernel<DqTr, T, false>;
+    auto kernel = segments                ? dq_kernel<DqTr, T, true, false>
+                  : p.windows.heads > 0 ? dq_kernel<DqTr, T, false, true>
+                                          : dq_kernel<DqTr, T, false, false>;
     const int smem = (segments ? kSegmentSmem : 0) + DqTr::kSmem;
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, smem, stream>>>(dp);

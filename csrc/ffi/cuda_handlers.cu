@@ -35,10 +35,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels do not read block indices yet (issue 24)");
   }
-  if (shape.head_windows != nullptr) {
+  if (!cuda::SupportsHeadWindows(shape)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not take per-kv-head windows or sinks "
-                      "yet (issue 27)");
+                      "jax_dmattn: the CUDA kernels take window tables (window_sizes) of at most " +
+                          std::to_string(kMaxWindowHeads) + " kv heads (this one has " +
+                          std::to_string(shape.num_kv_heads) + "), without segment ids");
   }
   if (shape.softmax_threshold > 0.0) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

@@ -57,7 +57,7 @@ nb::dict BuildInfo() {
   info["key_ranges"] = true;  // and key ranges (the CUDA kernels do not)
   info["row_ranges"] = true;  // and row ranges (the CUDA kernels do not)
   info["block_indices"] = true;  // and block indices (the CUDA kernels do not)
-  info["window_sizes"] = true;  // and per-kv-head windows with sinks (the CUDA kernels do not)
+  info["window_sizes"] = true;  // and per-kv-head windows with sinks
   info["gate"] = true;  // and the gate of gated attention, with its threshold (likewise)
   info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (likewise)
 #if defined(DMATTN_WITH_CUDA)
@@ -67,6 +67,7 @@ nb::dict BuildInfo() {
   info["cuda_dtypes"] = std::string(DMATTN_CUDA_DTYPES);
   info["mask_map_cell"] = dmattn::kMaskMapCell;
   info["cuda_segments"] = true;  // so do the CUDA kernels
+  info["cuda_window_heads"] = dmattn::kMaxWindowHeads;  // window tables of at most so many kv heads
 #else
   info["cuda"] = false;
   info["cuda_head_dims"] = std::vector<int>{};

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -132,6 +134,9 @@ struct Case {
   // of equal length.
   int seg_docs = 0;
   bool seg_random = false, seg_shared = false, seg_orphans = false, seg_even = false;
+  // Per-kv-head windows with sinks (AttentionShape::head_windows): Hk rows (sink, left, right);
+  // empty: none.
+  std::vector<std::array<int64_t, 3>> head_windows;
 };
 
 int64_t Prod(const std::vector<int64_t>& v) {
@@ -165,6 +170,8 @@ struct Problem {
   std::vector<float> dlse;
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> q_seg, kv_seg;  // [segment rows, Lq] / [segment rows, Lk]
+  // The case's table, flat; s.head_windows points into it (shared: copies keep it alive).
+  std::shared_ptr<std::vector<int64_t>> head_windows;
 };
 
 BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<int64_t>* bdims,
@@ -249,6 +256,13 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
   s.window_left = c.window_left;
   s.window_right = c.causal ? 0 : c.window_right;
   s.deterministic = c.deterministic;
+  if (!c.head_windows.empty()) {
+    P.head_windows = std::make_shared<std::vector<int64_t>>();
+    for (const auto& row : c.head_windows) {
+      P.head_windows->insert(P.head_windows->end(), row.begin(), row.end());
+    }
+    s.head_windows = P.head_windows->data();
+  }
   s.mask = MakeOperand(c.mask, c, &P.mask_batch, &P.mask_elems);
   s.bias = MakeOperand(c.bias, c, &P.bias_batch, &P.bias_elems);
   {
@@ -391,6 +405,12 @@ Ref Reference(const Problem& P) {
         const int64_t d = j - i;
         if (s.window_left >= 0 && d < s.diagonal_offset - s.window_left) v = false;
         if (s.window_right >= 0 && d > s.diagonal_offset + s.window_right) v = false;
+        if (v && s.head_windows != nullptr) {
+          const int64_t* w = s.head_windows + 3 * hk;
+          const bool in_band = (w[1] < 0 || d >= s.diagonal_offset - w[1]) &&
+                               (w[2] < 0 || d <= s.diagonal_offset + w[2]);
+          v = j < w[0] || in_band;
+        }
         if (v && s.mask.present)
           v = P.mask[mo + i * s.mask.row_stride + j * s.mask.col_stride] != 0;
         if (v && q_seg != nullptr) v = q_seg[i] == kv_seg[j];
@@ -1019,6 +1039,27 @@ std::vector<Case> AllCases() {
     c.seg_docs = 3; c.seg_shared = true; c.bias = Op({1}, 4, true, true); c.dbias_batch = {2};
     add(c);
   }
+  {
+    // per-kv-head windows with sinks (sink, left, right): on every kernel generation and path
+    Case c; c.name = "windows_q1000_k1000_d128_sinks_causal"; c.H = 8; c.Hk = 4; c.Lq = 1000;
+    c.Lk = 1000; c.D = 128; c.causal = true;
+    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {2000, -1, -1}}; v.push_back(c);
+    c.name = "windows_q1000_k1000_d128_sinks_causal_det"; c.deterministic = true; v.push_back(c);
+    c.name = "windows_q700_k900_d64_sinks_window_seqlens"; c.deterministic = false;
+    c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 700; c.Lk = 900; c.D = 64; c.causal = false;
+    c.window_left = 400; c.window_right = 30; c.seqlens = true; c.q_lens = {700, 333};
+    c.kv_lens = {900, 517}; c.head_windows = {{100, 60, 5}, {1, 500, -1}}; v.push_back(c);
+    c = Case(); c.name = "windows_q4_k3000_d128_sinks_causal_split"; c.H = 4; c.Hk = 1;
+    c.Lq = 4; c.Lk = 3000; c.D = 128; c.causal = true; c.head_windows = {{16, 256, 0}};
+    v.push_back(c);
+    c = Case(); c.name = "windows_q600_k600_d256_sinks_causal_bias"; c.H = 2; c.Hk = 2;
+    c.Lq = 600; c.Lk = 600; c.D = 256; c.causal = true; c.bias = Op({1}, 2, true, true);
+    c.head_windows = {{64, 100, 0}, {0, 50, 0}}; v.push_back(c);
+    c = Case(); c.name = "windows_q300_k300_d32_sinks"; c.H = 2; c.Hk = 1; c.Lq = 300;
+    c.Lk = 300; c.D = 32; c.head_windows = {{40, 20, 20}}; v.push_back(c);
+    c.name = "windows_q300_k300_d128_sinks_mask_det"; c.D = 128; c.causal = true;
+    c.deterministic = true; c.mask = Op({1}, 1, true, true); v.push_back(c);
+  }
   return v;
 }
 
@@ -1095,6 +1136,17 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_seg_random_q70_k90_d64_det"; c.H = 2; c.Hk = 2; c.Lq = 70;
     c.Lk = 90; c.D = 64; c.seg_docs = 2; c.seg_random = true; c.deterministic = true;
     v.push_back(c);
+  }
+  {
+    // per-kv-head windows with sinks: a sink apart from the band (the walks step over the gap),
+    // one inside it, none; with the operand rings and the dbias zero fill
+    Case c; c.name = "quick_windows_q300_k300_d128_sinks_causal_mask_bias"; c.H = 6; c.Hk = 3;
+    c.Lq = 300; c.Lk = 300; c.D = 128; c.causal = true; c.mask = Op({1}, 3, true, true);
+    c.bias = Op({1}, 6, true, true); c.head_windows = {{5, 40, 0}, {150, 20, 0}, {0, 100, 0}};
+    v.push_back(c);
+    c.name = "quick_windows_q200_k333_d64_sinks"; c.H = 4; c.Hk = 2; c.Lq = 200; c.Lk = 333;
+    c.D = 64; c.causal = false; c.mask = {}; c.bias = {};
+    c.head_windows = {{70, 30, 20}, {3, -1, 10}}; v.push_back(c);
   }
   return v;
 }
@@ -1328,6 +1380,14 @@ void Bench(bool variants, const std::string& only) {
     c.mask = Op({1}, 1, true, true);
     c.block_density = 0.1f;
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L16k H2 Hk1 (dense flops)", c, 0});
+  }
+  {
+    // issue 27: a sink + window vs the same window without sinks (flops of the dense causal call)
+    Case c = mk("b10", 1, 16, 16, 16384, 128, true, false, false);
+    c.head_windows.assign(16, {0, 1024, 0});
+    benches.push_back({"window 1024 (table) d128 L16k H16 causal (dense flops)", c, 0});
+    c.head_windows.assign(16, {64, 1024, 0});
+    benches.push_back({"sink 64 + window 1024 d128 L16k H16 causal (dense flops)", c, 0});
   }
   std::printf("\n%-55s %10s %10s %10s %10s\n", "bench (bf16)", "fwd ms", "fwd TF/s", "bwd ms",
               "bwd TF/s");

@@ -151,8 +151,12 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   mbar_wait(bar.q_full(), q_parity);
   int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
   if constexpr (kWarpgroupKeys<Tr>) {
+    // With a sink, every block of the tile (the element test hides what this warpgroup's rows
+    // do not see).
+    const detail::PositionRule rule = detail::position_rule_of<Tr::kTable>(p, w.hk);
     const detail::BlockRange mine =
-        detail::visible_key_blocks<64, Tr::BN>(w.lens, detail::make_band(p.s), th.wg_row0(w.m0));
+        rule.sink > 0 ? w.keys
+                      : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
     first = max(first, mine.lo);
     for (; n >= first && n >= mine.hi; n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);

@@ -13,7 +13,8 @@ namespace dmattn::cuda::sm90 {
 // D = 64, three consumer warpgroups (192 query rows), whose softmax, relatively costlier than at
 // larger head dims, hides under two others' GEMMs.
 // Calls with a bias run the same tile with the bias and mask rings, calls with a mask alone with
-// the mask ring only, calls with segment ids kernels that read them (D <= 128 all).
+// the mask ring only, calls with segment ids kernels that read them (D <= 128 all), calls with a
+// window table kernels that read it (with a mask or bias, D <= 128).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
@@ -23,6 +24,8 @@ struct FwdConfig {
   using OperandTraits = FwdTraits<D, 128, kConsumers, true>;
   using MaskTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, false>;
   using OperandSegmentTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, true>;
+  using TableTraits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, false, false, true>;
+  using OperandTableTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, true, true>;
 };
 
 // Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch

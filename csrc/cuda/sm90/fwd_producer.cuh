@@ -136,7 +136,7 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
       if (leader) queue.push(queued, {t, {}});
       break;
     }
-    const TileWork w = tile_work<Tr::BM, Tr::BN>(P, t);
+    const TileWork w = tile_work<Tr>(P, t);
     if (leader) queue.push(queued, {t, w});
     KeyWalk<Tr> walk(P, w);
     int flags;

@@ -52,7 +52,8 @@ __device__ __forceinline__ int64_t next_tile(const TileOrder& o, int64_t t) {
 }
 
 // What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
-// [keys.lo, keys.hi) that lengths and the diagonal / window rule leave visible to some of them.
+// [keys.lo, keys.hi) that lengths and the position rule leave visible to some of them (with a
+// sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it).
 struct TileWork {
   int64_t b;
   int h, hk;
@@ -62,7 +63,7 @@ struct TileWork {
   __device__ __forceinline__ bool empty() const { return keys.hi <= keys.lo; }
 };
 
-template <int BM, int BN>
+template <typename Tr>
 __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t) {
   const AttentionShape& s = P.p.s;
   const FwdTile tile = tile_at(P.order, t);
@@ -71,9 +72,11 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   w.b = tile.bh / H;
   w.h = static_cast<int>(tile.bh - w.b * H);
   w.hk = w.h / static_cast<int>(s.num_heads / s.num_kv_heads);
-  w.m0 = tile.m_block * BM;
+  w.m0 = tile.m_block * Tr::BM;
   w.lens = detail::seq_lens(s, P.p.q_lens, P.p.kv_lens, w.b);
-  w.keys = detail::visible_key_blocks<BM, BN>(w.lens, detail::make_band(s), w.m0);
+  w.keys = detail::visible_key_blocks<Tr::BM, Tr::BN, Tr::kTable>(
+                 w.lens, detail::position_rule_of<Tr::kTable>(P.p, w.hk), w.m0)
+               .all;
   return w;
 }
 
@@ -122,7 +125,8 @@ struct TileQueue {
 };
 
 // The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
-// visible (all of them without either), from the last to the first (block_map.cuh); warp-wide.
+// visible (all of them without either), from the last to the first (block_map.cuh), stepping
+// over the gap below a window table's band (kTable); warp-wide.
 // first_block(): the first of them, keys.lo - 1 when there is none (the tile then has no
 // work). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
 // in their main loop).
@@ -132,21 +136,36 @@ struct KeyWalk {
   using Flags = std::conditional_t<Tr::kSegments,
                                    detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>, MaskFlags>;
   detail::TileWalk<-1, Flags> walk;
+  detail::KeyGap gap;
   __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
-      : walk(make(P, w)) {}
+      : walk(make(P, w)), gap(gap_of(P, w)) {}
   __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
     return w.empty() ? w.keys.lo - 1 : next(w.keys.hi - 1, flags);
   }
   __device__ __forceinline__ int next(int n, int* flags) {
-    if constexpr (Tr::kOperands || Tr::kSegments) {
+    constexpr bool kWalks = Tr::kOperands || Tr::kSegments;
+    if constexpr (kWalks && Tr::kTable) {
+      return gap.next(n, flags, [&](int t, int* f) { return walk.next(t, f); });
+    } else if constexpr (kWalks) {
       return walk.next(n, flags);
     } else {
       *flags = detail::kTileAny | detail::kTileAll;
-      return n;
+      return Tr::kTable ? gap.at_or_below(n) : n;
     }
   }
 
  private:
+  // The gap of a window table's sink in the tile's blocks (kTable kernels; none elsewhere).
+  static __device__ __forceinline__ detail::KeyGap gap_of(const FwdParamsSm90& P,
+                                                         const TileWork& w) {
+    if constexpr (Tr::kTable) {
+      return detail::visible_key_blocks<Tr::BM, Tr::BN>(
+                 w.lens, detail::position_rule(P.p.s, P.p.windows, w.hk), w.m0)
+          .gap;
+    } else {
+      return {};
+    }
+  }
   static __device__ __forceinline__ detail::TileWalk<-1, Flags> make(const FwdParamsSm90& P,
                                                                     const TileWork& w) {
     const FwdParams& p = P.p;

@@ -161,18 +161,35 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::BN / 2], const uint8_t
   }
 }
 
-// -inf for keys the lengths or the diagonal window hide from a row (tested per element only in
-// tiles that cross a boundary).
+// -inf for keys the lengths or the diagonal window hide from a row, the row's keys [lo, hi)
+// given as offsets from this thread's first column (tested per element only in tiles that cross
+// a boundary).
+template <typename Tr>
+__device__ __forceinline__ void hide_outside(float (&s)[Tr::BN / 2], int half, int lo, int hi) {
+#pragma unroll
+  for (int t = 0; t < Tr::NTS; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * t + e;
+      if (col < lo || col >= hi) s[4 * t + 2 * half + e] = -INFINITY;
+    }
+  }
+}
+
+// -inf for keys the lengths or the position rule hide from a row, in tiles that cross a
+// boundary of the rule's band (a sink's keys lie outside it).
 template <typename Tr>
 __device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const FwdParams& p,
                                                    const TileWork& w, const ConsumerThread& th,
                                                    int n) {
-  const detail::Band band = detail::make_band(p.s);
+  const detail::PositionRule rule = detail::position_rule_of<Tr::kTable>(p, w.hk);
+  const detail::Band& band = rule.band;
   const int r0 = th.wg_row0(w.m0), n0 = n * Tr::BN;
   const bool crosses = r0 + 64 > w.lens.q_len || n0 + Tr::BN > w.lens.kv_len ||
                        n0 - (r0 + 63) < band.dmin || n0 + Tr::BN - 1 - r0 > band.dmax;
   if (!crosses) return;
-  // Row i sees keys [lo, hi): as offsets from this thread's first column n0 + 2 tq.
+  // Row i sees keys [lo, hi) and, in a block with sink keys, [sink_lo, sink_hi): as offsets
+  // from this thread's first column n0 + 2 tq.
   const int c0 = n0 + 2 * th.tq;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -180,13 +197,21 @@ __device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const
     const bool row_exists = i < w.lens.q_len;
     const int lo = max(0, i + band.dmin) - c0;
     const int hi = row_exists ? min(w.lens.kv_len, i + band.dmax + 1) - c0 : lo;
+    if (Tr::kTable && n0 < rule.sink) {
+      const int sink_lo = max(0, i + rule.outer.dmin) - c0;
+      const int sink_hi =
+          row_exists ? min(min(w.lens.kv_len, rule.sink), i + rule.outer.dmax + 1) - c0 : sink_lo;
 #pragma unroll
-    for (int t = 0; t < Tr::NTS; ++t) {
+      for (int t = 0; t < Tr::NTS; ++t) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * t + e;
-        if (col < lo || col >= hi) s[4 * t + 2 * half + e] = -INFINITY;
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * t + e;
+          const bool seen = (col >= lo && col < hi) || (col >= sink_lo && col < sink_hi);
+          if (!seen) s[4 * t + 2 * half + e] = -INFINITY;
+        }
       }
+    } else {
+      hide_outside<Tr>(s, half, lo, hi);
     }
   }
 }
