@@ -54,11 +54,13 @@ def to64(x):
 
 
 def assert_close(actual, expected, dtype, what):
-    """Equal non-finite entries, the finite ones within 2e-2 (bf16) or 2e-5 of the largest."""
+    """Equal non-finite entries, the finite ones within 2e-2 (bf16), 2.5e-3 (fp16: the same
+    multiple of its epsilon, 2^-11 against bf16's 2^-8) or 2e-5 (fp32) of the largest."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     finite = np.isfinite(expected)
     np.testing.assert_array_equal(np.isfinite(actual), finite, err_msg=what)
-    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    half = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2.5e-3}
+    tol = half.get(jnp.dtype(dtype), 2e-5)
     scale = max(1.0, np.abs(expected[finite]).max(initial=0.0))
     np.testing.assert_allclose(actual[finite], expected[finite], atol=tol * scale, rtol=tol,
                                err_msg=what)
