@@ -262,6 +262,18 @@ __device__ __forceinline__ void query_blocks_seeing(int n0, const SeqLens& L,
   }
 }
 
+// Whether every row of the BM-row query block at m0 exists and sees, of the BN keys from n0,
+// exactly the sink's: none by the rule's band, all of them by the call's band. Most of a sink
+// block's query blocks are such tiles; the backward tests them by column alone.
+template <int BM, int BN>
+__device__ __forceinline__ bool sees_sink_keys_only(const PositionRule& rule, const SeqLens& L,
+                                                    int m0, int n0) {
+  const int64_t d_lo = static_cast<int64_t>(n0) - (m0 + BM - 1);  // j - i over the tile
+  const int64_t d_hi = static_cast<int64_t>(n0) + BN - 1 - m0;
+  return m0 + BM <= L.q_len && (d_hi < rule.band.dmin || d_lo > rule.band.dmax) &&
+         d_lo >= rule.outer.dmin && d_hi <= rule.outer.dmax;
+}
+
 template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
@@ -601,7 +613,12 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
           hidden |= static_cast<uint32_t>(!keep) << element_bit(mt, t, e);
         });
       }
-      if (need_bounds) {
+      if (kTable && need_bounds && sees_sink_keys_only<BM, BN>(rule, L, m0, n0)) {
+        const int sink_end = min(rule.sink, L.kv_len);
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          hidden |= static_cast<uint32_t>(n0 + key_of(mt, e) >= sink_end) << element_bit(mt, t, e);
+        });
+      } else if (need_bounds) {
         for_each_element<MA, NA>([&](int mt, int t, int e) {
           const int i = m0 + query_of(t, e), j = n0 + key_of(mt, e);
           bool in;
