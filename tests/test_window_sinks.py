@@ -107,6 +107,9 @@ GPU_CASES = [
     ("flash", 2, 300, 500, 4, 2, 128, "near2", False, "dense", "keys", jnp.float16),
     ("dpa", 2, 500, 700, 4, 2, 64, "far-sinks2", True, None, "full", jnp.bfloat16),
     ("flash", 2, 3, 3000, 4, 2, 128, "far-sinks2", True, None, "keys", jnp.bfloat16),
+    # grids the dispatcher does not split (>= 212 query-block CTAs): the Hopper forward
+    ("flash", 1, 1024, 1024, 16, 4, 128, "mixed4", True, None, None, jnp.bfloat16),
+    ("flash", 1, 1024, 1024, 16, 4, 128, "mixed4", True, "dense", "full", jnp.float16),
 ]
 
 
@@ -114,7 +117,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_cuda_matches_float64_reference(case):
     """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
-    the CPU kernels above; the last case decodes (keys split over CTAs)."""
+    the CPU kernels above; one case decodes (keys split over CTAs), the last two run the Hopper
+    forward (the others' grids are split over keys, which only the other kernels take)."""
     _check_against_reference(case, "cuda")
 
 

@@ -137,7 +137,6 @@ struct BwdParams {
   int n_blocks;
   // Null: each (kv head, class) runs its key blocks in order. Else [Hk * kv_classes, n_blocks]:
   // the key block of each rank, heaviest first (block_order.cuh; block_weight: its scratch).
-
   int32_t* block_order;
   int32_t* block_weight;
   int dbias_mode;

@@ -460,8 +460,8 @@ __host__ __device__ __forceinline__ PositionRule position_rule(const AttentionSh
   return {{w.dmin, w.dmax}, outer, w.sink};
 }
 
-// The rule of kv head hk in a kernel that reads window tables (kTable: the kernels that read
-// per-position rules, kRules) or not (the call's band alone, sink 0 known at compile time).
+// The rule of kv head hk in a kernel that reads window tables (kTable) or not (the call's band
+// alone, the sink 0 known at compile time).
 template <bool kTable, typename Params>
 __device__ __forceinline__ PositionRule position_rule_of(const Params& p, int hk) {
   if constexpr (kTable) {

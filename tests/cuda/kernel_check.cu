@@ -1055,6 +1055,18 @@ std::vector<Case> AllCases() {
     c = Case(); c.name = "windows_q600_k600_d256_sinks_causal_bias"; c.H = 2; c.Hk = 2;
     c.Lq = 600; c.Lk = 600; c.D = 256; c.causal = true; c.bias = Op({1}, 2, true, true);
     c.head_windows = {{64, 100, 0}, {0, 50, 0}}; v.push_back(c);
+    // the Hopper forward's table kernels (grids of >= 212 CTAs: no key split), D 128 / 64 / 256
+    c = Case(); c.name = "windows_hopper_q1024_d128_sinks_causal"; c.H = 16; c.Hk = 4;
+    c.Lq = 1024; c.Lk = 1024; c.D = 128; c.causal = true;
+    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {5, 60, 0}}; v.push_back(c);
+    c.name = "windows_hopper_q1024_d64_sinks_window"; c.H = 32; c.Hk = 8; c.D = 64;
+    c.causal = false; c.window_left = 500; c.window_right = 40;
+    c.head_windows = {{100, 60, 5}, {1, 200, -1}, {0, 0, 0}, {700, 30, 30},
+                      {64, -1, 0}, {2, 5, 100}, {129, 129, 129}, {0, 1000, -1}};
+    v.push_back(c);
+    c = Case(); c.name = "windows_hopper_q896_d256_sinks_causal"; c.H = 16; c.Hk = 2; c.Lq = 896;
+    c.Lk = 896; c.D = 256; c.causal = true; c.head_windows = {{64, 100, 0}, {0, 50, 0}};
+    v.push_back(c);
     c = Case(); c.name = "windows_q300_k300_d32_sinks"; c.H = 2; c.Hk = 1; c.Lq = 300;
     c.Lk = 300; c.D = 32; c.head_windows = {{40, 20, 20}}; v.push_back(c);
     c.name = "windows_q300_k300_d128_sinks_mask_det"; c.D = 128; c.causal = true;
@@ -1147,6 +1159,15 @@ std::vector<Case> QuickCases() {
     c.name = "quick_windows_q200_k333_d64_sinks"; c.H = 4; c.Hk = 2; c.Lq = 200; c.Lk = 333;
     c.D = 64; c.causal = false; c.mask = {}; c.bias = {};
     c.head_windows = {{70, 30, 20}, {3, -1, 10}}; v.push_back(c);
+  }
+  {
+    // ... on the Hopper forward (a grid that the dispatcher does not split: 224 CTAs)
+    Case c; c.name = "quick_windows_hopper_q448_d128_sinks_mask_bias"; c.H = 32; c.Hk = 8;
+    c.Lq = 448; c.Lk = 448; c.D = 128; c.causal = true; c.mask = Op({1}, 8, true, true);
+    c.bias = Op({1}, 32, true, true);
+    c.head_windows = {{5, 40, 0}, {150, 20, 0}, {0, 100, 0}, {129, 0, 0},
+                      {64, 200, 0}, {1, 1, 0}, {300, 64, 0}, {0, -1, 0}};
+    v.push_back(c);
   }
   return v;
 }

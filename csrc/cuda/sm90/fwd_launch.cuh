@@ -24,7 +24,8 @@ struct FwdConfig {
   using OperandTraits = FwdTraits<D, 128, kConsumers, true>;
   using MaskTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, false>;
   using OperandSegmentTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, true>;
-  using TableTraits = FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, false, false, true>;
+  using TableTraits =
+      FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, false, false, true>;
   using OperandTableTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, true, true>;
 };
 
