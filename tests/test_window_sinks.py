@@ -92,9 +92,10 @@ def test_matches_float64_reference(case):
     _check_against_reference(case, "cpu")
 
 
-# The CUDA kernels' cases: every compiled head dim's paths (the Hopper forward at D 64 / 128 /
-# 256, the FlashAttention-2-class kernels elsewhere, the backward), sinks apart from the band
-# over several 128-key blocks (the walks step over the gap) and inside it, fp16 and bf16.
+# The CUDA kernels' cases: the FlashAttention-2-class forward (these small grids split their keys)
+# at D 64 / 128 / 256, the Hopper forward at D 128 (the last two; tests/cuda/kernel_check.cu has
+# its other head dims), the backward, sinks apart from the band over several 128-key blocks (the
+# walks step over the gap) and inside it, fp16 and bf16.
 GPU_TABLES = {
     "far-sinks2": [[64, 200, 0], [5, 300, 0]],
     "mixed4": TABLES["mixed4"],
