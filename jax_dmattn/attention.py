@@ -98,9 +98,8 @@ def flash_dmattn(
         ``is_causal``; a negative bound is unbounded), and-ed with every other rule: causality,
         lengths, segment ids and masks hide sink keys too. Tiles outside every window and sink
         are skipped. A table that is one window without sink for all heads runs the plain
-        window. The CPU and CUDA kernels read the table (CUDA: up to 64 kv heads, without
-        segment ids; other calls run the reference on a GPU, with a warning, and
-        implementation='cuda' raises).
+        window. The CPU and CUDA kernels read the table (CUDA: up to 64 kv heads; a larger one
+        runs the reference on a GPU, with a warning, and implementation='cuda' raises).
       gate: optional ``(alpha, delta)`` of gated attention, floating alpha ``[B, Lq, H]`` (one
         value per query row and head) and delta ``[B, Lk, Hk]`` (per key and kv head): the
         logits gain ``logsigmoid(alpha[b, i, h] * delta[b, j, h // (H // Hk)])``, so the logit

@@ -123,6 +123,36 @@ def test_cuda_matches_float64_reference(case):
     _check_against_reference(case, "cuda")
 
 
+@pytest.mark.gpu
+def test_cuda_with_segment_ids_and_lengths():
+    """The CUDA kernels with a table beside segment ids, sequence lengths and a bias
+    (dot_product_attention) against the float64 reference on the equivalent dense mask (the
+    deterministic dq kernel's case is in tests/cuda/kernel_check.cu)."""
+    rng = np.random.default_rng(31)
+    batch, lq, lk, heads, kv_heads, d = 2, 300, 500, 4, 2, 128
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.bfloat16)
+    q_seg = np.sort(rng.integers(0, 3, (batch, lq)), axis=1).astype(np.int32)
+    kv_seg = np.sort(rng.integers(0, 3, (batch, lk)), axis=1).astype(np.int32)
+    table = GPU_TABLES["far-sinks2"]
+    kw = dict(is_causal=True, query_seq_lengths=jnp.array([300, 211], jnp.int32),
+              key_value_seq_lengths=jnp.array([470, 500], jnp.int32), q_segment_ids=q_seg,
+              kv_segment_ids=kv_seg, return_residual=True)
+
+    def run(implementation, mask, window_sizes):
+        def fn(q, k, v, bias):
+            out, res = dot_product_attention(q, k, v, bias, mask, window_sizes=window_sizes,
+                                             implementation=implementation, **kw)
+            return out, jnp.swapaxes(res, -1, -2)
+        return fn
+
+    out, lse, grads = outputs_and_grads(run("cuda", None, table), q, k, v, bias)
+    dense = jnp.asarray(window_mask(table, lq, lk, 0))
+    ref_out, ref_lse, ref_grads = outputs_and_grads(run("xla", dense, None), to64(q), to64(k),
+                                                    to64(v), to64(bias))
+    assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, jnp.bfloat16)
+
+
 def _check_against_reference(case, implementation):
     front, batch, lq, lk, heads, kv_heads, d, name, causal, other, bias_kind, dtype = case
     rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
@@ -397,9 +427,9 @@ def test_traced_table_and_local_window_size_refused():
 # ---- the GPU: the CUDA kernels take tables of up to build_info()["cuda_window_heads"] kv heads
 
 def test_cuda_takes_per_head_windows(monkeypatch):
-    """On a GPU with kernels for the call, a per-head table with sinks runs on them; beside
-    segment ids, or of more kv heads than the kernels' parameters hold, it goes to the reference
-    (None warns once naming the reason, implementation="cuda" raises)."""
+    """On a GPU with kernels for the call, a per-head table with sinks runs on them (segment
+    ids too); one of more kv heads than the kernels' parameters hold goes to the reference (None
+    warns once naming the reason, implementation="cuda" raises)."""
     from jax_dmattn import ops
     from jax_dmattn.params import AttentionParams
 
@@ -407,7 +437,6 @@ def test_cuda_takes_per_head_windows(monkeypatch):
     params = AttentionParams(scale=0.1, window_sizes=table)
     fake_cuda_build(monkeypatch, [16, 128])
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    assert_cuda_refuses(params, "window table .* together with segment ids", has_segments=True)
     fake_cuda_build(monkeypatch, [16, 128], cuda_window_heads=1)
     assert_cuda_refuses(params, "window tables .* of at most 1 kv heads, not 2")
 

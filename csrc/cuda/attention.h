@@ -19,7 +19,7 @@ const char* ForwardKernelName(const AttentionShape& shape);
 // Head dims with compiled kernels for this build (see CMake option JAX_DMATTN_HEAD_DIMS).
 bool SupportsHeadDim(int64_t head_dim);
 // False for a window table (AttentionShape::head_windows) of more kv heads than the kernels'
-// parameters hold (kMaxWindowHeads) or beside segment ids (no kernel reads both yet).
+// parameters hold (kMaxWindowHeads).
 bool SupportsHeadWindows(const AttentionShape& shape);
 
 // The mask block map of a contiguous bool mask [entries, rows, cols]: one byte per kMaskMapCell

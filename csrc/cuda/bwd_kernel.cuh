@@ -1119,7 +1119,7 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
 // trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
 // call has a bias (without, none of the bias and dbias code takes registers from the GEMMs);
-// kSegments: the call has segment ids, kTable a window table (likewise; never both).
+// kSegments: the call has segment ids, kTable a window table (likewise).
 template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {

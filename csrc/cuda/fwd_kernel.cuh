@@ -176,7 +176,7 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 }  // namespace detail
 
 // kSegments: the call has segment ids; kTable: a window table (AttentionShape::head_windows).
-// Kernels of their own (never both: launch_template.cuh), so that the others compile none of
+// Kernels of their own (PickRules in launch_template.cuh), so that the others compile none of
 // their code.
 template <typename Tr, typename T, bool kSegments, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {

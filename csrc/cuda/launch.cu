@@ -243,7 +243,8 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
   return ForwardKernelSetting() != ForwardKernel::kFlash2 && HopperKernels() &&
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
-         s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128);
+         s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
+         !(s.has_segments && s.head_windows != nullptr);
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {
@@ -300,7 +301,7 @@ int64_t ForwardSplits(const AttentionShape& s) {
 }
 
 bool SupportsHeadWindows(const AttentionShape& s) {
-  return s.head_windows == nullptr || (s.num_kv_heads <= kMaxWindowHeads && !s.has_segments);
+  return s.head_windows == nullptr || s.num_kv_heads <= kMaxWindowHeads;
 }
 
 // In whole 256-byte units: the workspace after the spans stays aligned.

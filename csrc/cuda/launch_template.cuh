@@ -38,6 +38,15 @@ struct BwdTiles {
   using DqTraits = DqTraits<D, 64, 64, 4>;
 };
 
+// The kernel of a call's per-position rules beyond the band: segment ids, a window table, both
+// or neither (each a template instantiation of its own: calls without them compile none of
+// their code).
+template <typename Kernel>
+inline Kernel PickRules(bool segments, bool table, Kernel neither, Kernel ids, Kernel window_table,
+                        Kernel both) {
+  return segments ? (table ? both : ids) : (table ? window_table : neither);
+}
+
 // CTAs of the backward grid for key block BN (one per key block, kv head and dk/dv class).
 inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
   return (l.p.s.seqlen_k + bn - 1) / bn * l.p.s.num_kv_heads * l.p.kv_classes;
@@ -166,9 +175,9 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   const bool segments = p.q_segments != nullptr;
-  auto kernel = segments                ? fwd_kernel<Tr, T, true, false>
-                : p.windows.heads > 0 ? fwd_kernel<Tr, T, false, true>
-                                        : fwd_kernel<Tr, T, false, false>;
+  auto kernel = PickRules(segments, p.windows.heads > 0, fwd_kernel<Tr, T, false, false>,
+                          fwd_kernel<Tr, T, true, false>, fwd_kernel<Tr, T, false, true>,
+                          fwd_kernel<Tr, T, true, true>);
   const int prefix = segments ? kSegmentSmem : 0;  // the segment ids' tile
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
@@ -276,12 +285,14 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     const bool segments = p.q_segments != nullptr;
     const bool table = p.windows.heads > 0;
     auto kernel = p.bias != nullptr
-                      ? (segments ? bwd_kernel<Tr, T, true, true, false>
-                         : table  ? bwd_kernel<Tr, T, true, false, true>
-                                  : bwd_kernel<Tr, T, true, false, false>)
-                      : (segments ? bwd_kernel<Tr, T, false, true, false>
-                         : table  ? bwd_kernel<Tr, T, false, false, true>
-                                  : bwd_kernel<Tr, T, false, false, false>);
+                      ? PickRules(segments, table, bwd_kernel<Tr, T, true, false, false>,
+                                  bwd_kernel<Tr, T, true, true, false>,
+                                  bwd_kernel<Tr, T, true, false, true>,
+                                  bwd_kernel<Tr, T, true, true, true>)
+                      : PickRules(segments, table, bwd_kernel<Tr, T, false, false, false>,
+                                  bwd_kernel<Tr, T, false, true, false>,
+                                  bwd_kernel<Tr, T, false, false, true>,
+                                  bwd_kernel<Tr, T, false, true, true>);
     const int smem = (segments ? kSegmentSmem : 0) +
                      Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
@@ -308,9 +319,9 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     dp.m_blocks = static_cast<int>((s.seqlen_q + DqTr::BM - 1) / DqTr::BM);
     const int64_t blocks = static_cast<int64_t>(dp.m_blocks) * B * s.num_heads;
     const bool segments = p.q_segments != nullptr;
-    auto kernel = segments                ? dq_kernel<DqTr, T, true, false>
-                  : p.windows.heads > 0 ? dq_kernel<DqTr, T, false, true>
-                                          : dq_kernel<DqTr, T, false, false>;
+    auto kernel = PickRules(segments, p.windows.heads > 0, dq_kernel<DqTr, T, false, false>,
+                            dq_kernel<DqTr, T, true, false>, dq_kernel<DqTr, T, false, true>,
+                            dq_kernel<DqTr, T, true, true>);
     const int smem = (segments ? kSegmentSmem : 0) + DqTr::kSmem;
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, smem, stream>>>(dp);

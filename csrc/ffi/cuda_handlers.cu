@@ -38,8 +38,8 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
   if (!cuda::SupportsHeadWindows(shape)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels take window tables (window_sizes) of at most " +
-                          std::to_string(kMaxWindowHeads) + " kv heads (this one has " +
-                          std::to_string(shape.num_kv_heads) + "), without segment ids");
+                          std::to_string(kMaxWindowHeads) + " kv heads, not " +
+                          std::to_string(shape.num_kv_heads));
   }
   if (shape.softmax_threshold > 0.0) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

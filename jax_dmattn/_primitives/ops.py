@@ -263,13 +263,11 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                 has_key_ranges: bool = False, has_row_ranges: bool = False,
-                has_block_indices: bool = False, has_gate: bool = False,
-                has_segments: bool = False) -> bool:
+                has_block_indices: bool = False, has_gate: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with key or row ranges, block indices, a gate or a
     softmax threshold, which the CUDA kernels do not read yet, alone or beside a mask and each
-    other, or a window table of too many kv heads or beside segment ids: the first of them
-    missing is the reason),
+    other, or a window table of too many kv heads: the first of them missing is the reason),
     implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
     reference)."""
     requested = params.implementation
@@ -295,11 +293,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                        f"heads, not {len(params.window_sizes)}",
                        "A table of one window without sink for every kv head runs on the CUDA "
                        "kernels at any head count.")
-        elif has_segments:
-            missing = ("the CUDA kernels do not take a window table (window_sizes) together with "
-                       "segment ids yet",
-                       "Pass the table's rule as a dense bool mask beside the ids for the CUDA "
-                       "kernels (issue 27).")
     if missing is None and has_block_indices:
         missing = ("the CUDA kernels do not read block indices (masks.BlockIndices) yet",
                    "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
@@ -350,8 +343,7 @@ def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
         if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate,
-                       opts.has_segments):
+                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

@@ -1071,6 +1071,10 @@ std::vector<Case> AllCases() {
     c.Lk = 300; c.D = 32; c.head_windows = {{40, 20, 20}}; v.push_back(c);
     c.name = "windows_q300_k300_d128_sinks_mask_det"; c.D = 128; c.causal = true;
     c.deterministic = true; c.mask = Op({1}, 1, true, true); v.push_back(c);
+    c.name = "windows_q300_k300_d128_sinks_segments_mask"; c.deterministic = false;
+    c.seg_docs = 3; v.push_back(c);
+    c.name = "windows_q300_k300_d128_sinks_segments_mask_det"; c.deterministic = true;
+    v.push_back(c);
   }
   return v;
 }
@@ -1167,6 +1171,13 @@ std::vector<Case> QuickCases() {
     c.bias = Op({1}, 32, true, true);
     c.head_windows = {{5, 40, 0}, {150, 20, 0}, {0, 100, 0}, {129, 0, 0},
                       {64, 200, 0}, {1, 1, 0}, {300, 64, 0}, {0, -1, 0}};
+    v.push_back(c);
+  }
+  {
+    // ... beside segment ids (kernels that read both)
+    Case c; c.name = "quick_windows_q260_k300_d128_sinks_segments"; c.batch = {2}; c.H = 4;
+    c.Hk = 2; c.Lq = 260; c.Lk = 300; c.D = 128; c.causal = true; c.seg_docs = 3;
+    c.bias = Op({2}, 4, true, true); c.head_windows = {{5, 30, 0}, {140, 10, 0}};
     v.push_back(c);
   }
   return v;

@@ -21,7 +21,8 @@ constexpr uint32_t kQueuedTileBytes = 48;
 // blocks a mask hides (a call with a mask or a bias); kBias: it has the bias ring (calls with a
 // mask alone leave its shared memory to a second mask stage and O's own tile). kSegments: it
 // reads segment ids (kernels of their own: their walk's state would cost the others' consumers
-// registers); kTable: a window table (likewise: its rule and the sink's gap; never with ids).
+// registers); kTable: a window table (likewise: its rule and the sink's gap; never with ids:
+// calls with both run the FlashAttention-2-class forward).
 // kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
 // default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
@@ -30,7 +31,6 @@ template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kPr
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_, kSegments = kSegments_, kTable = kTable_;
-  static_assert(!(kSegments && kTable), "segment ids and window tables: kernels of their own");
   static constexpr bool kBias = kOperands && kBias_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
