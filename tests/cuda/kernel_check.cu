@@ -1043,38 +1043,38 @@ std::vector<Case> AllCases() {
     // per-kv-head windows with sinks (sink, left, right): on every kernel generation and path
     Case c; c.name = "windows_q1000_k1000_d128_sinks_causal"; c.H = 8; c.Hk = 4; c.Lq = 1000;
     c.Lk = 1000; c.D = 128; c.causal = true;
-    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {2000, -1, -1}}; v.push_back(c);
-    c.name = "windows_q1000_k1000_d128_sinks_causal_det"; c.deterministic = true; v.push_back(c);
+    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {2000, -1, -1}}; add(c);
+    c.name = "windows_q1000_k1000_d128_sinks_causal_det"; c.deterministic = true; add(c);
     c.name = "windows_q700_k900_d64_sinks_window_seqlens"; c.deterministic = false;
     c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 700; c.Lk = 900; c.D = 64; c.causal = false;
     c.window_left = 400; c.window_right = 30; c.seqlens = true; c.q_lens = {700, 333};
-    c.kv_lens = {900, 517}; c.head_windows = {{100, 60, 5}, {1, 500, -1}}; v.push_back(c);
+    c.kv_lens = {900, 517}; c.head_windows = {{100, 60, 5}, {1, 500, -1}}; add(c);
     c = Case(); c.name = "windows_q4_k3000_d128_sinks_causal_split"; c.H = 4; c.Hk = 1;
     c.Lq = 4; c.Lk = 3000; c.D = 128; c.causal = true; c.head_windows = {{16, 256, 0}};
-    v.push_back(c);
+    add(c);
     c = Case(); c.name = "windows_q600_k600_d256_sinks_causal_bias"; c.H = 2; c.Hk = 2;
     c.Lq = 600; c.Lk = 600; c.D = 256; c.causal = true; c.bias = Op({1}, 2, true, true);
-    c.head_windows = {{64, 100, 0}, {0, 50, 0}}; v.push_back(c);
+    c.head_windows = {{64, 100, 0}, {0, 50, 0}}; add(c);
     // the Hopper forward's table kernels (grids of >= 212 CTAs: no key split), D 128 / 64 / 256
     c = Case(); c.name = "windows_hopper_q1024_d128_sinks_causal"; c.H = 16; c.Hk = 4;
     c.Lq = 1024; c.Lk = 1024; c.D = 128; c.causal = true;
-    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {5, 60, 0}}; v.push_back(c);
+    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {5, 60, 0}}; add(c);
     c.name = "windows_hopper_q1024_d64_sinks_window"; c.H = 32; c.Hk = 8; c.D = 64;
     c.causal = false; c.window_left = 500; c.window_right = 40;
     c.head_windows = {{100, 60, 5}, {1, 200, -1}, {0, 0, 0}, {700, 30, 30},
                       {64, -1, 0}, {2, 5, 100}, {129, 129, 129}, {0, 1000, -1}};
-    v.push_back(c);
+    add(c);
     c = Case(); c.name = "windows_hopper_q896_d256_sinks_causal"; c.H = 16; c.Hk = 2; c.Lq = 896;
     c.Lk = 896; c.D = 256; c.causal = true; c.head_windows = {{64, 100, 0}, {0, 50, 0}};
-    v.push_back(c);
+    add(c);
     c = Case(); c.name = "windows_q300_k300_d32_sinks"; c.H = 2; c.Hk = 1; c.Lq = 300;
-    c.Lk = 300; c.D = 32; c.head_windows = {{40, 20, 20}}; v.push_back(c);
+    c.Lk = 300; c.D = 32; c.head_windows = {{40, 20, 20}}; add(c);
     c.name = "windows_q300_k300_d128_sinks_mask_det"; c.D = 128; c.causal = true;
-    c.deterministic = true; c.mask = Op({1}, 1, true, true); v.push_back(c);
+    c.deterministic = true; c.mask = Op({1}, 1, true, true); add(c);
     c.name = "windows_q300_k300_d128_sinks_segments_mask"; c.deterministic = false;
-    c.seg_docs = 3; v.push_back(c);
+    c.seg_docs = 3; add(c);
     c.name = "windows_q300_k300_d128_sinks_segments_mask_det"; c.deterministic = true;
-    v.push_back(c);
+    add(c);
   }
   return v;
 }
