@@ -603,20 +603,26 @@ def _product_rounding_up_to_the_cut(threshold):
     raise AssertionError("no such pair")
 
 
+def _edge_problem(seed):
+    """``(threshold, q, k, v, alpha, delta)``: one head, 128 query rows, two 128-key blocks; the
+    gate bound of block 0 lies well above gate_cut(threshold), that of block 1 exactly below it
+    while its float32 product rounds up to it."""
+    threshold = -1.0
+    a, d = _product_rounding_up_to_the_cut(threshold)
+    q, k, v = qkv(np.random.default_rng(seed), 1, 128, 256, 1, 1, 16)
+    alpha = jnp.full((1, 128, 1), a, jnp.float32)
+    delta = jnp.concatenate([jnp.full((1, 128, 1), 5.0, jnp.float32),
+                             jnp.full((1, 128, 1), d, jnp.float32)], axis=1)
+    return threshold, q, k, v, alpha, delta
+
+
 def test_reference_threshold_decision_is_exact_with_x64():
     """With x64 (as in this suite) and float32 inputs, the reference (implementation='xla',
     which also serves GPUs) decides the threshold's blocks exactly as the kernels do: a block
     whose bound alpha * delta lies below gate_cut exactly, but whose float32 product rounds up
     to it, is dropped by both (the reference computed the bound in float32 and kept it: its
     output differed from the CPU kernels' by 0.2)."""
-    threshold = -1.0
-    a, d = _product_rounding_up_to_the_cut(threshold)
-    rng = np.random.default_rng(31)
-    lq, lk = 128, 256
-    q, k, v = qkv(rng, 1, lq, lk, 1, 1, 16)
-    alpha = jnp.full((1, lq, 1), a, jnp.float32)
-    delta = jnp.concatenate([jnp.full((1, 128, 1), 5.0, jnp.float32),
-                             jnp.full((1, 128, 1), d, jnp.float32)], axis=1)
+    threshold, q, k, v, alpha, delta = _edge_problem(31)
     kept = kept_pairs(alpha, delta, threshold, 1, 1)
     assert kept[..., :128].all() and not kept[..., 128:].any()
     got = {impl: flash_dmattn(q, k, v, gate=(alpha, delta), gate_threshold=threshold,
@@ -670,15 +676,8 @@ def test_reference_threshold_decision_without_x64():
     """Without x64 the reference rounds the bound to float32, as its docstring says: it keeps
     every block the kernels keep, and keeps one they drop only where the float32 bound rounds
     up to float32(gate_cut) (the pair of the test above); elsewhere the two agree."""
-    threshold = -1.0
-    a, d = _product_rounding_up_to_the_cut(threshold)
-    rng = np.random.default_rng(33)
-    lq, lk = 128, 256
-    q, k, v = qkv(rng, 1, lq, lk, 1, 1, 16)
-    alpha = jnp.full((1, lq, 1), a, jnp.float32)
-    edge = jnp.concatenate([jnp.full((1, 128, 1), 5.0, jnp.float32),
-                            jnp.full((1, 128, 1), d, jnp.float32)], axis=1)
-    below = edge.at[:, 128:].set(np.nextafter(d, np.float32(-np.inf)))
+    threshold, q, k, v, alpha, edge = _edge_problem(33)
+    below = edge.at[:, 128:].set(np.nextafter(np.float32(edge[0, 128, 0]), np.float32(-np.inf)))
 
     def run(delta, implementation):
         return flash_dmattn(q, k, v, gate=(alpha, delta), gate_threshold=threshold,
