@@ -66,7 +66,8 @@ def flash_dmattn(
         without copies. Tiles where it is all False are skipped. Or a
         :class:`~jax_dmattn.masks.KeyRanges` (start, end int ``[B|1, H|Hk|1, Lk]``): key ``j``
         visible to rows ``start[..., j] <= i < end[..., j]``, never expanded to ``[Lq, Lk]`` by
-        the CPU kernels (the CUDA kernels do not read it yet: the GPU runs the reference). Or a
+        the CPU and CUDA kernels (the CUDA kernels skip tiles from per-block summaries of the
+        ranges, in the FlashAttention-2-class forward and the backward). Or a
         :class:`~jax_dmattn.masks.RowRanges` (start, end int ``[B|1, H|Hk|1, Lq]``): row ``i``
         sees keys ``start[..., i] <= j < end[..., i]``, likewise. Or a
         :class:`~jax_dmattn.masks.BlockIndices` (indices int ``[B|1, H|Hk|1, ceil(Lq / block_q),
@@ -74,8 +75,8 @@ def flash_dmattn(
         blocks it lists (``-1``: an unused slot), likewise. Or a tuple of these, meaning all of
         them (their and): at most one bool mask and at most one of each form, e.g.
         ``(mask, KeyRanges(...))`` or ``(KeyRanges(...), RowRanges(...), BlockIndices(...))``;
-        ``(m,)`` is ``m``, and an empty tuple or two of one kind raise at trace time. On a GPU a
-        tuple with any O(L) form runs the reference, like that form alone.
+        ``(m,)`` is ``m``, and an empty tuple or two of one kind raise at trace time. The CPU
+        and CUDA kernels read every member side by side, beside every other rule.
       bias: optional floating array of the mask's shape rule, added to the logits; differentiable
         (its gradient has its own shape, summed over its broadcast dims). Cast to query's dtype.
       q_segment_ids, kv_segment_ids: optional integer ``[B|1, Lq]`` and ``[B|1, Lk]`` (cast to

@@ -66,8 +66,8 @@ class KeyRanges(NamedTuple):
     size-1 dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``.
     It is given as ``mask`` alone or in a tuple of masks meaning their and, with at most one bool
     mask, one :class:`RowRanges` and one :class:`BlockIndices` (e.g. ``mask=(bool_mask,
-    key_ranges)``). The CPU kernels skip a tile when no key of it has a range meeting the tile's
-    rows; it is equivalent to the bool mask
+    key_ranges)``). The CPU and CUDA kernels skip a tile when no key of it has a range meeting
+    the tile's rows; it is equivalent to the bool mask
     ``(start[..., None, :] <= i) & (i < end[..., None, :])`` for ``i = arange(Lq)[:, None]``
     (:meth:`to_mask`).
     """
@@ -76,8 +76,8 @@ class KeyRanges(NamedTuple):
     end: jax.Array
 
     def to_mask(self, seqlen_q: int) -> jax.Array:
-        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
-        CUDA kernels, which do not read key ranges yet)."""
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for code
+        that takes only a bool mask: the kernels read the ranges themselves)."""
         start, end = (jnp.asarray(x) for x in (self.start, self.end))
         if start.ndim == 4:
             start, end = start[..., 0, :], end[..., 0, :]
@@ -95,8 +95,8 @@ class RowRanges(NamedTuple):
     dims broadcast. A pytree (a NamedTuple), so it passes through ``jit`` and ``vmap``. It is
     given as ``mask`` alone or in a tuple of masks meaning their and, with at most one bool mask,
     one :class:`KeyRanges` and one :class:`BlockIndices` (e.g. ``mask=(key_ranges,
-    row_ranges)``). The CPU kernels skip a tile when no row of it has a range meeting the tile's
-    key columns; it is equivalent to the bool mask
+    row_ranges)``). The CPU and CUDA kernels skip a tile when no row of it has a range meeting
+    the tile's key columns; it is equivalent to the bool mask
     ``(start[..., :, None] <= j) & (j < end[..., :, None])`` for ``j = arange(Lk)``
     (:meth:`to_mask`).
     """
@@ -105,8 +105,8 @@ class RowRanges(NamedTuple):
     end: jax.Array
 
     def to_mask(self, seqlen_k: int) -> jax.Array:
-        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
-        CUDA kernels, which do not read row ranges yet)."""
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for code
+        that takes only a bool mask: the kernels read the ranges themselves)."""
         start, end = (jnp.asarray(x) for x in (self.start, self.end))
         j = jnp.arange(_check_int(seqlen_k, "seqlen_k", 1))
         return (start[..., :, None] <= j) & (j < end[..., :, None])
@@ -127,8 +127,8 @@ class BlockIndices(NamedTuple):
     partial); they are pytree metadata, so a BlockIndices passes through ``jit`` and ``vmap``
     with only ``indices`` as a leaf. It is given as ``mask`` alone or in a tuple of masks meaning
     their and, with at most one bool mask, one :class:`KeyRanges` and one :class:`RowRanges`
-    (e.g. ``mask=(bool_mask, key_ranges, row_ranges, block_indices)``). The CPU kernels skip a
-    tile when none of its query blocks lists a key block meeting its keys (O(K) per query
+    (e.g. ``mask=(bool_mask, key_ranges, row_ranges, block_indices)``). The CPU and CUDA kernels
+    skip a tile when none of its query blocks lists a key block meeting its keys (O(K) per query
     block); it is equivalent to the bool mask :meth:`to_mask`.
     """
 
@@ -137,8 +137,8 @@ class BlockIndices(NamedTuple):
     block_k: int
 
     def to_mask(self, seqlen_q: int, seqlen_k: int) -> jax.Array:
-        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for the
-        CUDA kernels, which do not read block indices yet)."""
+        """The equivalent dense bool mask ``[..., Lq, Lk]`` (O(Lq·Lk); for tests and for code
+        that takes only a bool mask: the kernels read the indices themselves)."""
         lk = _check_int(seqlen_k, "seqlen_k", 1)
         num_key_blocks = -(-lk // _check_int(self.block_k, "block_k", 1))
         listed = jnp.asarray(self.indices)[..., None] == jnp.arange(num_key_blocks)

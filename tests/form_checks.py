@@ -1,9 +1,10 @@
 """Helpers the tests of the mask forms and window tables share (test_key_ranges.py,
 test_row_ranges.py, test_block_indices.py, test_mask_tuple.py, test_window_sinks.py): random
 inputs, a loss using out and lse with its gradients, closeness checks that also demand the same
-non-finite entries, the comparison with a dense mask under every other rule, the jit / vmap
-check, the HLO of a training step, and the checks that the CUDA path refuses a form it does not
-read."""
+non-finite entries, the comparison with a dense mask under every other rule (CPU kernels; CUDA
+kernels against the float64 reference), the jit / vmap check, the HLO of a training step, the
+check that the CUDA lowering hands a form's operands to the kernels, and the check that the CUDA
+path refuses what it does not take."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def assert_equals_dense_with_every_rule(rng, q, k, v, form, dense):
 
 def assert_cuda_refuses(params, reason, **form):
     """With a (fake) CUDA build that has kernels for the call, ``ops.uses_kernel`` refuses
-    `params` with `form` (its keyword flags, e.g. ``has_key_ranges=True``): None warns once naming
+    `params` with `form` (its keyword flags, e.g. ``has_gate=True``): None warns once naming
     `reason`, then stays silent; implementation="cuda" raises; the CPU kernels take the call."""
     from jax_dmattn import ops
 
@@ -124,6 +125,38 @@ def lower_for_cuda(q, k, v, *mask, **kw):
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
+def assert_cuda_lowering_reads(calls, q, k, v, mask, operands, **attrs):
+    """Lowered for cuda with a fake CUDA build (conftest.fake_cuda_build; `calls` from
+    conftest.record_ffi_calls), ``jit(grad)`` of ``flash_dmattn(q, k, v, mask)`` calls the CUDA
+    kernels' forward and backward, with implementation None and "cuda" alike and without a
+    warning (a fallback to the reference would warn or raise): each call's operands after the
+    fixed ones (q, k, v; and out, dout, lse, dlse for the backward) are `operands`, ``(shape,
+    dtype)`` pairs, the CUDA mask map and bits last with a bool mask, and its attributes hold
+    `attrs`."""
+    from jax_dmattn import _ffi
+
+    for implementation in (None, "cuda"):
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lower_for_cuda(q, k, v, mask, implementation=implementation)
+        by_target = {target: (ops, got) for target, ops, got in calls}
+        assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
+        for target, (ops, got) in by_target.items():
+            first = 3 if target == _ffi.FORWARD_TARGET else 7
+            assert ops[first:] == operands, (implementation, target, ops)
+            assert {name: got[name] for name in attrs} == attrs, (implementation, target)
+
+
+def mask_summaries(batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                   cell: int = 64) -> list[tuple]:
+    """``(shape, dtype)`` of the CUDA mask map and bits of a bool mask ``[batch, heads, Lq, Lk]``
+    (_ffi.call_mask_map) with a mask map cell of `cell`."""
+    u8 = jnp.dtype(jnp.uint8)
+    return [((batch, heads, -(-seqlen_q // cell), -(-seqlen_k // cell)), u8),
+            ((batch, heads, seqlen_q, -(-seqlen_k // 128) * 16), u8)]
+
+
 def assert_vmap_matches_each(one, operands, in_axes, count, argnums=(0, 1, 2)):
     """``jit(vmap(one))`` and ``jit(vmap(grad))`` (by the operands `argnums`: q, k, v by default)
     of a loss of `one`, for each tuple of `in_axes`, equal `one` and its gradients on each of the
@@ -143,12 +176,66 @@ def assert_vmap_matches_each(one, operands, in_axes, count, argnums=(0, 1, 2)):
                 np.testing.assert_allclose(g[e], ref, atol=1e-5, err_msg=str(axes))
 
 
-def causal_step_texts(q, k, v, mask):
+def causal_step_texts(q, k, v, mask, implementation: str = "cpu",
+                      lowering_platform: str | None = None) -> dict[str, str]:
     """The StableHLO and the compiled HLO (``{"stablehlo": .., "compiled": ..}``) of a jitted
-    causal CPU-kernel value-and-grad step of ``flash_dmattn(q, k, v, mask)``, for checking which
-    arrays it creates."""
+    causal value-and-grad step of ``flash_dmattn(q, k, v, mask)`` with `implementation`, the mask
+    an argument of the step, for checking which arrays it creates. With `lowering_platform`
+    (e.g. ``"cuda"`` with a fake CUDA build on this machine) the step is lowered for that
+    platform and not compiled: the StableHLO alone."""
     def loss(q, k, v, mask):
-        return jnp.sum(flash_dmattn(q, k, v, mask, is_causal=True, implementation="cpu") ** 2)
+        out = flash_dmattn(q, k, v, mask, is_causal=True, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask)
+    traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v, mask)
+    if lowering_platform is not None:
+        return {"stablehlo": traced.lower(lowering_platforms=(lowering_platform,)).as_text()}
+    lowered = traced.lower()
     return {"stablehlo": lowered.as_text(), "compiled": lowered.compile().as_text()}
+
+
+# ---- the CUDA kernels against the float64 reference (GPU tests) -------------------------------
+
+
+def require_cuda_kernel(head_dim: int, dtype) -> None:
+    """Skips the calling GPU test where this build has no CUDA kernel for `head_dim` / `dtype`
+    (a partial build: JAX_DMATTN_HEAD_DIMS, JAX_DMATTN_DTYPES)."""
+    from jax_dmattn import _ffi
+
+    name = jnp.dtype(dtype).name
+    if head_dim not in _ffi.cuda_head_dims() or name not in _ffi.cuda_dtypes():
+        pytest.skip(f"this build has no CUDA kernel for head dim {head_dim} / {name}")
+
+
+# A window table (sink, left, right) per kv head for two kv heads: sinks apart from the band (the
+# walks step over the gap) and inside it.
+GPU_TABLE = ((64, 200, 0), (5, 300, 40))
+
+
+def assert_cuda_with_every_rule(rng, q, k, v, forms: tuple, dense):
+    """implementation="cuda" with the O(L) masks `forms` in a tuple with a random dense bool mask
+    ``[B, 1, Lq, Lk]``, beside a bias ``[B, H, Lq, Lk]``, sequence lengths (the second example
+    shorter on both sides), segment ids and a window table with sinks (GPU_TABLE: Hk = 2)
+    through dot_product_attention, against the float64 ``xla`` implementation given the same
+    rules with the and of the dense mask and `dense`, the and of `forms` as a bool mask
+    ``[B|1, H|Hk|1, Lq, Lk]``: out, lse and the gradients (dbias too), as
+    :func:`assert_results_close` in q's dtype. q ``[2, Lq, H, D]``, k and v ``[2, Lk, 2, D]``."""
+    batch, lq, heads, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    require_cuda_kernel(q.shape[-1], q.dtype)
+    bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), q.dtype)
+    member = rng.random((batch, 1, lq, lk)) < 0.9
+    kw = dict(query_seq_lengths=jnp.array([lq, 2 * lq // 3], jnp.int32),
+              key_value_seq_lengths=jnp.array([lk - 30, lk], jnp.int32),
+              q_segment_ids=np.sort(rng.integers(0, 3, (batch, lq)), axis=1).astype(np.int32),
+              kv_segment_ids=np.sort(rng.integers(0, 3, (batch, lk)), axis=1).astype(np.int32),
+              window_sizes=GPU_TABLE, return_residual=True)
+
+    def attend(implementation):
+        def fn(q, k, v, mask, bias):
+            return dot_product_attention(q, k, v, bias, mask, implementation=implementation, **kw)
+        return fn
+
+    got = outputs_and_grads(attend("cuda"), q, k, v, bias, (member, *forms))
+    want = outputs_and_grads(attend("xla"), to64(q), to64(k), to64(v), to64(bias),
+                             jnp.asarray(member & dense))
+    assert_results_close(*got, *want, q.dtype)

@@ -3,13 +3,16 @@ form: each block of ``block_q`` query rows sees exactly the key blocks (of ``blo
 lists, and-ed with every other rule.
 
 The oracle is the float64 ``xla`` implementation run on the equivalent dense bool mask (built
-here with numpy, independently of the library's block code). The CPU kernels read the indices
-directly; on a GPU they run the reference (the CUDA kernels do not read them yet).
+here with numpy, independently of the library's block code). The CPU and the CUDA kernels read
+the indices directly (the GPU tests are marked ``gpu``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +20,21 @@ import numpy as np
 import pytest
 from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
-    assert_cuda_refuses,
+    assert_cuda_lowering_reads,
+    assert_cuda_with_every_rule,
     assert_equals_dense_with_every_rule,
     assert_results_close,
     assert_vmap_matches_each,
     causal_step_texts,
     flash,
-    lower_for_cuda,
     outputs_and_grads,
     qkv,
+    require_cuda_kernel,
     to64,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_segments import array_sizes
+from test_segments import array_sizes, fake_cuda_lowering
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
 
@@ -83,15 +87,29 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:13])))
-def test_matches_float64_reference(case):
-    """Outputs, lse and gradients (dbias included) of the CPU kernels against the float64
-    reference on the dense mask: random indices with unused slots and duplicates, a query block
-    listing nothing (rows with no visible key), block sizes that do not divide Lq / Lk and differ
-    from the kernels' tiles, GQA, causality, biases of full and per-key shape, head dims
-    32-128."""
+# The CUDA kernels' cases: head dims 64 / 128 / 256, bf16 and fp16, block sizes that are multiples
+# of 64 and that are not (48, 80, 100: a block straddles the kernels' tiles), GQA with indices per
+# kv head, per query head and shared, both bias shapes; the last grid is not split over keys (the
+# others' small grids are).
+GPU_CASES = [
+    (2, 300, 500, 4, 2, 128, 2, 2, 64, 128, 3, True, "full", jnp.bfloat16),
+    (1, 257, 700, 8, 2, 64, 8, 1, 48, 80, 5, False, "keys", jnp.float16),
+    (2, 330, 200, 4, 1, 256, 1, 2, 80, 48, 3, True, None, jnp.bfloat16),
+    (1, 1024, 1024, 16, 4, 128, 4, 1, 128, 100, 4, True, "keys", jnp.bfloat16),
+]
+
+
+def _case_id(case) -> str:
+    return "-".join(map(str, case[:13])) + "-" + jnp.dtype(case[13]).name
+
+
+def _check_against_reference(case, implementation: str) -> None:
+    """Outputs, lse and gradients (dbias included) of `implementation` on `case` against the
+    float64 reference on the dense mask."""
     batch, lq, lk, heads, kv_heads, d, iheads, ibatch, bq, bk, slots, causal, bias_kind, dtype = \
         case
+    if implementation == "cuda":
+        require_cuda_kernel(d, dtype)
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
     indices = random_indices(rng, (ibatch, iheads), lq, lk, bq, bk, slots)
@@ -102,12 +120,42 @@ def test_matches_float64_reference(case):
         bias = jnp.asarray(rng.standard_normal((1, heads, 1, lk)), dtype)
     mask = dense_mask(indices, lq, lk, bq, bk)
     assert mask.any() and not mask.all()
-    out, lse, grads = outputs_and_grads(flash("cpu", is_causal=causal), q, k, v, bias,
+    out, lse, grads = outputs_and_grads(flash(implementation, is_causal=causal), q, k, v, bias,
                                         masks.BlockIndices(indices, bq, bk))
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         flash("xla", is_causal=causal), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     assert not np.isfinite(np.asarray(ref_lse)).all(), "the case should have empty rows"
     assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """The CPU kernels against the float64 reference on the dense mask: random indices with
+    unused slots and duplicates, a query block listing nothing (rows with no visible key), block
+    sizes that do not divide Lq / Lk and differ from the kernels' tiles, GQA, causality, biases
+    of full and per-key shape, head dims 32-128."""
+    _check_against_reference(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_cuda_matches_float64_reference(case):
+    """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
+    the CPU kernels above."""
+    _check_against_reference(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_with_every_rule():
+    """The CUDA kernels with block indices (per kv head, blocks of 48 x 80) beside a dense mask,
+    a bias, sequence lengths, segment ids and a window table with sinks, against the float64
+    reference."""
+    rng = np.random.default_rng(17)
+    lq, lk, bq, bk = 300, 500, 48, 80
+    q, k, v = qkv(rng, 2, lq, lk, 4, 2, 256, jnp.bfloat16)
+    indices = random_indices(rng, (2, 2), lq, lk, bq, bk, 4)
+    assert_cuda_with_every_rule(rng, q, k, v, (masks.BlockIndices(indices, bq, bk),),
+                                dense_mask(indices, lq, lk, bq, bk))
 
 
 def test_reference_matches_float64_dense_mask():
@@ -264,22 +312,69 @@ def test_ffi_operands_and_attributes(monkeypatch):
         assert attrs["has_key_ranges"] is False and attrs["has_row_ranges"] is False
 
 
-def test_training_step_has_no_lq_by_lk_array():
+# ---- the arrays of a training step ------------------------------------------------------------
+
+# The CUDA kernels' workspaces are flat uint8 arrays (index-mask summaries, block orders, split-KV
+# partials: O(L·D) bytes per split, which can pass Lq·Lk); an [Lq, Lk] array has two dims or more.
+_FLAT_UINT8 = re.compile(r"tensor<\d+xui8>|u8\[\d+\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStep:
+    """A training step whose arrays test_training_step_has_no_lq_by_lk_array reads (here and in
+    test_mask_tuple): on the CPU kernels (float32, lowered and compiled), on the CUDA kernels
+    lowered on this machine with a fake CUDA build (StableHLO only, the workspaces left out) or
+    on a GPU's CUDA kernels (lowered and compiled; bf16 at a compiled head dim)."""
+
+    implementation: str
+    head_dim: int
+    dtype: Any
+    fake_cuda: bool = False
+
+    def prepare(self, monkeypatch) -> None:
+        """Fakes the CUDA build, or skips where a GPU build lacks the kernel."""
+        if self.fake_cuda:
+            fake_cuda_lowering(monkeypatch)
+        elif self.implementation == "cuda":
+            require_cuda_kernel(self.head_dim, self.dtype)
+
+    def texts(self, q, k, v, mask) -> dict[str, str]:
+        return causal_step_texts(q, k, v, mask, self.implementation,
+                                 "cuda" if self.fake_cuda else None)
+
+    @staticmethod
+    def sizes(text: str) -> list[tuple[int, str]]:
+        """test_segments.array_sizes of `text`, less the CUDA kernels' flat workspaces."""
+        return [(n, t) for n, t in array_sizes(text) if not _FLAT_UINT8.fullmatch(t)]
+
+
+STEPS = [
+    pytest.param(TrainingStep("cpu", 16, jnp.float32), id="cpu"),
+    pytest.param(TrainingStep("cuda", 16, jnp.bfloat16, fake_cuda=True), id="cuda-lowered"),
+    pytest.param(TrainingStep("cuda", 64, jnp.bfloat16), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_training_step_has_no_lq_by_lk_array(monkeypatch, step):
     """jit(value_and_grad) of a causal call with block indices as an argument of the step: every
-    array of the lowered program and of the compiled one holds fewer than Lq·Lk elements (the
-    control, the same step given the dense mask, does hold one)."""
+    array of the lowered program (and of the compiled one, where it is compiled) holds fewer
+    than Lq·Lk elements, on the CPU kernels and on the CUDA kernels (the control, the same step
+    given the dense mask, does hold one)."""
+    step.prepare(monkeypatch)
     rng = np.random.default_rng(12)
     seqlen, bq, bk = 1024, 64, 128
-    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
+    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, step.head_dim, step.dtype)
     indices = jnp.asarray(random_indices(rng, (2, 2), seqlen, seqlen, bq, bk, 4))
 
-    for form, text in causal_step_texts(q, k, v, masks.BlockIndices(indices, bq, bk)).items():
-        sizes = array_sizes(text)
+    texts = step.texts(q, k, v, masks.BlockIndices(indices, bq, bk))
+    for form, text in texts.items():
+        sizes = step.sizes(text)
         assert sizes, form
         assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
     dense = masks.BlockIndices(indices, bq, bk).to_mask(seqlen, seqlen)
-    for form, text in causal_step_texts(q, k, v, dense).items():
-        assert max(array_sizes(text))[0] >= seqlen * seqlen, form
+    for form, text in step.texts(q, k, v, dense).items():
+        assert max(step.sizes(text))[0] >= seqlen * seqlen, form
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -328,39 +423,22 @@ def test_traced_out_of_range_entries_are_ignored():
         np.testing.assert_allclose(fn(wild), fn(indices), atol=0, err_msg=impl)
 
 
-# ---- the GPU: the reference, with a warning ---------------------------------------------------
+# ---- the GPU: the CUDA kernels read them ---------------------------------------------------------
 
 
-def test_cuda_refuses_block_indices(monkeypatch):
-    """On a GPU with kernels for the call, block indices still go to the reference: None warns
-    once naming the reason, implementation="cuda" raises."""
-    from jax_dmattn import ops
-    from jax_dmattn.params import AttentionParams
-
-    fake_cuda_build(monkeypatch, [128])
-    params = AttentionParams(scale=0.1, block_q=16, block_k=16)
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    assert_cuda_refuses(params, "do not read block indices", has_block_indices=True)
-
-
-def test_cuda_lowering_runs_the_reference(monkeypatch):
+def test_cuda_lowering_reads_block_indices(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a call with
-    block indices makes no FFI call: None warns and lowers the reference, "cuda" raises."""
-
+    block indices calls the CUDA kernels (no warning, implementation="cuda" included) with the
+    indices int32 ``[B, Hr, nQB, K]`` as their last operand, ``has_block_indices`` and the block
+    sizes set."""
     calls = record_ffi_calls(monkeypatch)
     fake_cuda_build(monkeypatch, [16])
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
-    blocks = masks.BlockIndices(random_indices(rng, (2, 2), 24, 32, 8, 8, 2), 8, 8)
-
-    def lower(implementation):
-        lower_for_cuda(q, k, v, blocks, implementation=implementation)
-
-    with pytest.warns(RuntimeWarning, match="do not read block indices"):
-        lower(None)
-    assert calls == []
-    with pytest.raises(ValueError, match="do not read block indices"):
-        lower("cuda")
+    blocks = masks.BlockIndices(random_indices(rng, (2, 2), 24, 32, 8, 16, 2), 8, 16)
+    assert_cuda_lowering_reads(calls, q, k, v, blocks, [((2, 2, 3, 2), jnp.dtype(jnp.int32))],
+                               has_block_indices=True, block_q=8, block_k=16,
+                               has_key_ranges=False, has_row_ranges=False)
 
 
 # ---- integer edges (review): narrow dtypes, wide concrete values, huge block sizes -------------

@@ -2,8 +2,8 @@
 query rows ``start[..., j] <= i < end[..., j]``, and-ed with every other rule.
 
 The oracle is the float64 ``xla`` implementation run on the equivalent dense bool mask (built
-here with numpy, independently of the library's range code). The CPU kernels read the ranges
-directly; on a GPU they run the reference (the CUDA kernels do not read them yet).
+here with numpy, independently of the library's range code). The CPU and the CUDA kernels read
+the ranges directly (the GPU tests are marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fake_cuda_build
+from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
-    assert_cuda_refuses,
+    assert_cuda_lowering_reads,
+    assert_cuda_with_every_rule,
     assert_equals_dense_with_every_rule,
     assert_results_close,
     assert_vmap_matches_each,
     flash,
     outputs_and_grads,
     qkv,
+    require_cuda_kernel,
     to64,
 )
 from jax.sharding import Mesh, NamedSharding
@@ -71,12 +73,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:10])))
-def test_matches_float64_reference(case):
-    """Outputs, lse and gradients (dbias included) of the CPU kernels against the float64
-    reference on the dense mask: random ranges with empty ones, rows no key reaches, GQA,
-    causality, biases of full and per-key shape, several head dims."""
+# The CUDA kernels' cases: head dims 64 / 128 / 256, bf16 and fp16, several key tiles, GQA with
+# ranges per kv head, per query head and shared, both bias shapes (these small grids split their
+# keys; test_mask_tuple has a grid that does not).
+GPU_CASES = [
+    (2, 300, 500, 4, 2, 128, 2, 2, True, "full", jnp.bfloat16),
+    (1, 257, 700, 8, 2, 64, 8, 1, False, "keys", jnp.float16),
+    (2, 200, 330, 4, 1, 256, 1, 2, True, None, jnp.bfloat16),
+]
+
+
+def _case_id(case) -> str:
+    return "-".join(map(str, case[:10])) + "-" + jnp.dtype(case[10]).name
+
+
+def _check_against_reference(case, implementation: str) -> None:
+    """Outputs, lse and gradients (dbias included) of `implementation` on `case` against the
+    float64 reference on the dense mask."""
     batch, lq, lk, heads, kv_heads, d, rheads, rbatch, causal, bias_kind, dtype = case
+    if implementation == "cuda":
+        require_cuda_kernel(d, dtype)
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
     start, end = random_ranges(rng, (rbatch, rheads, lk), lq, empty_rows=(lq // 3, lq // 3 + 70))
@@ -86,12 +102,40 @@ def test_matches_float64_reference(case):
     elif bias_kind == "keys":
         bias = jnp.asarray(rng.standard_normal((1, heads, 1, lk)), dtype)
     mask = dense_mask(start, end, lq)
-    out, lse, grads = outputs_and_grads(flash("cpu", is_causal=causal), q, k, v, bias,
+    out, lse, grads = outputs_and_grads(flash(implementation, is_causal=causal), q, k, v, bias,
                                         masks.KeyRanges(start, end))
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         flash("xla", is_causal=causal), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     assert not np.isfinite(np.asarray(ref_lse)).all(), "the case should have empty rows"
     assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """The CPU kernels against the float64 reference on the dense mask: random ranges with empty
+    ones, rows no key reaches, GQA, causality, biases of full and per-key shape, several head
+    dims."""
+    _check_against_reference(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_cuda_matches_float64_reference(case):
+    """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
+    the CPU kernels above."""
+    _check_against_reference(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_with_every_rule():
+    """The CUDA kernels with key ranges (per kv head) beside a dense mask, a bias, sequence
+    lengths, segment ids and a window table with sinks, against the float64 reference."""
+    rng = np.random.default_rng(17)
+    lq, lk = 300, 500
+    q, k, v = qkv(rng, 2, lq, lk, 4, 2, 128, jnp.bfloat16)
+    start, end = random_ranges(rng, (2, 2, lk), lq)
+    assert_cuda_with_every_rule(rng, q, k, v, (masks.KeyRanges(start, end),),
+                                dense_mask(start, end, lq))
 
 
 def test_equals_dense_mask_with_every_rule():
@@ -220,19 +264,22 @@ def test_values_unchecked_under_jit_follow_the_rule():
     np.testing.assert_allclose(fn(wide_start, wide_end), fn(start, end), atol=0)
 
 
-# ---- the GPU: the reference, with a warning ---------------------------------------------------
+# ---- the GPU: the CUDA kernels read them ---------------------------------------------------------
 
 
-def test_cuda_refuses_key_ranges(monkeypatch):
-    """On a GPU with kernels for the call, key ranges still go to the reference: None warns once
-    naming the reason, implementation="cuda" raises."""
-    from jax_dmattn import ops
-    from jax_dmattn.params import AttentionParams
-
-    fake_cuda_build(monkeypatch, [128])
-    params = AttentionParams(scale=0.1)
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    assert_cuda_refuses(params, "do not read key ranges", has_key_ranges=True)
+def test_cuda_lowering_reads_key_ranges(monkeypatch):
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a call with
+    key ranges calls the CUDA kernels (no warning, implementation="cuda" included) with key_start
+    and key_end int32 ``[B, Hr, 1, Lk]`` as their last operands and ``has_key_ranges`` set."""
+    calls = record_ffi_calls(monkeypatch)
+    fake_cuda_build(monkeypatch, [16])
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
+    ranges = masks.KeyRanges(*random_ranges(rng, (2, 2, 32), 24))
+    i32 = jnp.dtype(jnp.int32)
+    assert_cuda_lowering_reads(calls, q, k, v, ranges, [((2, 2, 1, 32), i32)] * 2,
+                               has_key_ranges=True, has_row_ranges=False,
+                               has_block_indices=False)
 
 
 def test_concrete_values_are_checked_before_any_int32_cast():

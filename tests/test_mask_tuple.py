@@ -4,14 +4,12 @@ at most one dense bool mask and at most one each of ``masks.KeyRanges``, ``masks
 
 The oracle is the float64 ``xla`` implementation run on one dense bool mask, the and of every
 member's dense form built here with numpy (independently of the library's range and block code).
-The CPU kernels read every member side by side; on a GPU a tuple holding an O(L) form runs the
-reference, and a dense mask alone keeps the CUDA kernels.
+The CPU and the CUDA kernels read every member side by side (the GPU tests are marked ``gpu``).
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 import zlib
 
 import jax
@@ -23,18 +21,22 @@ import test_key_ranges as key_ranges
 import test_row_ranges as row_ranges
 from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
+    GPU_TABLE,
+    assert_cuda_lowering_reads,
+    assert_cuda_with_every_rule,
     assert_equals_dense_with_every_rule,
     assert_results_close,
     assert_vmap_matches_each,
-    causal_step_texts,
+    flash,
     lower_for_cuda,
+    mask_summaries,
     outputs_and_grads,
     qkv,
+    require_cuda_kernel,
     to64,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_segments import array_sizes
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
 
@@ -117,27 +119,100 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, (*c[0], *c[1:9]))))
-def test_matches_float64_reference(case):
-    """Outputs, lse and gradients (dbias included) of the CPU kernels on a tuple of masks against
-    the float64 reference on the and of their dense forms: pairs and the triple, with and
-    without a dense mask, causal or windowed, full and per-key biases, GQA, Lq != Lk, bf16."""
-    kinds, batch, lq, lk, heads, kv_heads, d, kind, bias_kind, dtype = case
+# The CUDA kernels' cases, with the block indices' (block_q, block_k, K) last: head dims 64 / 128 /
+# 256, bf16 and fp16, block sizes that are multiples of 64 and that are not, causal, windowed and
+# full; one decodes (three rows, keys split over CTAs), the last grid is not split over keys.
+GPU_CASES = [
+    (("dense", "keys"), 2, 300, 500, 4, 2, 128, "causal", "full", jnp.bfloat16, (64, 128, 4)),
+    (("rows", "blocks"), 1, 257, 700, 8, 2, 64, "window", "keys", jnp.float16, (48, 80, 5)),
+    (("dense", "keys", "rows", "blocks"), 2, 330, 200, 4, 2, 256, "full", "full", jnp.bfloat16,
+     (80, 48, 3)),
+    (("keys", "rows", "blocks"), 2, 3, 3000, 8, 2, 128, "full", "keys", jnp.bfloat16,
+     (1, 128, 12)),
+    (("keys", "rows", "blocks"), 1, 1024, 1024, 16, 4, 128, "causal", None, jnp.bfloat16,
+     (128, 64, 6)),
+]
+
+
+def _case_id(case) -> str:
+    block = ["x".join(map(str, case[10]))] if len(case) > 10 else []
+    return "-".join(map(str, (*case[0], *case[1:9], jnp.dtype(case[9]).name, *block)))
+
+
+def _check_against_reference(case, implementation: str) -> None:
+    """Outputs, lse and gradients (dbias included) of `implementation` on `case` (its block
+    indices' sizes and slots in a last element, else (16, 48, 4)) against the float64 reference
+    on the and of the members' dense forms."""
+    kinds, batch, lq, lk, heads, kv_heads, d, kind, bias_kind, dtype = case[:10]
+    block = case[10] if len(case) > 10 else (16, 48, 4)
+    if implementation == "cuda":
+        require_cuda_kernel(d, dtype)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, dtype)
-    members, mask = random_members(rng, kinds, batch, lq, lk, heads, kv_heads)
+    members, mask = random_members(rng, kinds, batch, lq, lk, heads, kv_heads, block)
     assert mask.mean() > 0.02 and not mask.all()
     bias = None
     if bias_kind == "full":
         bias = jnp.asarray(rng.standard_normal((batch, kv_heads, lq, lk)), dtype)
     elif bias_kind == "keys":
         bias = jnp.asarray(rng.standard_normal((1, heads, 1, lk)), dtype)
-    out, lse, grads = outputs_and_grads(front(kind, "cpu"), q, k, v, bias, members)
+    out, lse, grads = outputs_and_grads(front(kind, implementation), q, k, v, bias, members)
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         front(kind, "xla"), to64(q), to64(k), to64(v), to64(bias), jnp.asarray(mask))
     finite = np.isfinite(np.asarray(ref_lse))
     assert finite.any() and not finite.all(), "the case should have rows with and without keys"
     assert_results_close(out, lse, grads, ref_out, ref_lse, ref_grads, dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """The CPU kernels on a tuple of masks against the float64 reference on the and of their
+    dense forms: pairs and the triple, with and without a dense mask, causal or windowed, full
+    and per-key biases, GQA, Lq != Lk, bf16."""
+    _check_against_reference(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_cuda_matches_float64_reference(case):
+    """The CUDA kernels (implementation="cuda": no fallback) on a tuple of masks against the
+    float64 reference, as the CPU kernels above."""
+    _check_against_reference(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_with_every_rule():
+    """The CUDA kernels with all three O(L) forms beside a dense mask, a bias, sequence lengths,
+    segment ids and a window table with sinks, against the float64 reference."""
+    rng = np.random.default_rng(17)
+    lq, lk = 300, 500
+    q, k, v = qkv(rng, 2, lq, lk, 4, 2, 128, jnp.bfloat16)
+    members, dense = random_members(rng, KINDS[1:], 2, lq, lk, 4, 2, (64, 96, 5))
+    assert_cuda_with_every_rule(rng, q, k, v, members, dense)
+
+
+@pytest.mark.gpu
+def test_cuda_deterministic():
+    """deterministic=True with all four kinds in a tuple, causality, segment ids, a window table
+    with sinks and a bias: the deterministic dq kernel reads every member too; the gradients are
+    bitwise equal run to run and match the float64 reference."""
+    rng = np.random.default_rng(23)
+    batch, lq, lk, heads, kv_heads, d = 2, 300, 400, 4, 2, 128
+    require_cuda_kernel(d, jnp.bfloat16)
+    q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, jnp.bfloat16)
+    members, mask = random_members(rng, KINDS, batch, lq, lk, heads, kv_heads, (64, 80, 4))
+    bias = jnp.asarray(rng.standard_normal((batch, kv_heads, lq, lk)), jnp.bfloat16)
+    kw = dict(is_causal=True, window_sizes=GPU_TABLE,
+              q_segment_ids=np.sort(rng.integers(0, 3, (batch, lq)), axis=1).astype(np.int32),
+              kv_segment_ids=np.sort(rng.integers(0, 3, (batch, lk)), axis=1).astype(np.int32))
+    got = [outputs_and_grads(flash("cuda", deterministic=True, **kw), q, k, v, bias, members)
+           for _ in range(2)]
+    want = outputs_and_grads(flash("xla", **kw), to64(q), to64(k), to64(v), to64(bias),
+                             jnp.asarray(mask))
+    assert_results_close(*got[0], *want, jnp.bfloat16)
+    for a, b in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(got[1]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_reference_ands_every_member():
@@ -347,21 +422,24 @@ def test_sequence_sharding_runs_no_ring_with_an_o_l_member():
         np.testing.assert_allclose(g, w, atol=1e-6)
 
 
-def test_training_step_has_no_lq_by_lk_array():
+@pytest.mark.parametrize("step", blocks.STEPS)
+def test_training_step_has_no_lq_by_lk_array(monkeypatch, step):
     """jit(value_and_grad) of a causal call whose mask is a tuple of the three O(L) forms, given
-    as an argument of the step: every array of the lowered program and of the compiled one holds
-    fewer than Lq·Lk elements (the control, the same step given their dense and, holds one)."""
+    as an argument of the step: every array of the lowered program (and of the compiled one,
+    where it is compiled) holds fewer than Lq·Lk elements, on the CPU kernels and on the CUDA
+    kernels (the control, the same step given their dense and, holds one)."""
+    step.prepare(monkeypatch)
     rng = np.random.default_rng(12)
     seqlen = 1024
-    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
+    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, step.head_dim, step.dtype)
     members, dense = random_members(rng, KINDS[1:], 2, seqlen, seqlen, 4, 2, (64, 128, 4))
 
-    for form, text in causal_step_texts(q, k, v, members).items():
-        sizes = array_sizes(text)
+    for form, text in step.texts(q, k, v, members).items():
+        sizes = step.sizes(text)
         assert sizes, form
         assert max(sizes)[0] < seqlen * seqlen, (form, sorted(sizes, reverse=True)[:5])
-    for form, text in causal_step_texts(q, k, v, jnp.asarray(dense)).items():
-        assert max(array_sizes(text))[0] >= seqlen * seqlen, form
+    for form, text in step.texts(q, k, v, jnp.asarray(dense)).items():
+        assert max(step.sizes(text))[0] >= seqlen * seqlen, form
 
 
 def test_ffi_operands_and_attributes(monkeypatch):
@@ -431,59 +509,108 @@ def test_bad_tuples(front_end):
                 dot_product_attention(q, k, v, mask=mask, implementation="cpu")
 
 
-# ---- the GPU: the reference, with a warning, unless a dense mask is alone ----------------------
+# ---- the GPU: the CUDA kernels read every member ---------------------------------------------
 
 
-def test_cuda_refuses_every_combination_with_an_o_l_form(monkeypatch):
-    """On a GPU with kernels for the call, a tuple holding any O(L) form goes to the reference
-    (None warns once per reason, implementation="cuda" raises)."""
-    from jax_dmattn import ops
-    from jax_dmattn.params import AttentionParams
-
-    fake_cuda_build(monkeypatch, [128])
-    params = AttentionParams(scale=0.1)
-    cuda = AttentionParams(scale=0.1, implementation="cuda")
-    flags = [(True, True, False), (False, True, True), (True, False, True), (True, True, True)]
-    with pytest.warns(RuntimeWarning, match="do not read"):
-        for f in flags:
-            assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, *f)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for f in flags:
-            assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, *f)
-    for f in flags:
-        with pytest.raises(ValueError, match="do not read"):
-            ops.uses_kernel("cuda", cuda, jnp.bfloat16, 128, *f)
-        assert ops.uses_kernel("cpu", params, jnp.bfloat16, 128, *f)
-
-
-def test_cuda_lowering(monkeypatch):
-    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a dense mask
-    with key ranges, or with all three O(L) forms, makes no attention FFI call (None warns and
-    lowers the reference, "cuda" raises); the dense mask alone, as ``(mask,)``, calls the CUDA
-    kernels without a warning."""
-    from jax_dmattn import ops
-
+def test_cuda_lowering_reads_every_combination(monkeypatch):
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a tuple of
+    masks of any kinds calls the CUDA kernels (no warning, implementation="cuda" included) with
+    every member in its own slot (mask, key ranges, row ranges, block indices; the mask's map and
+    bits last) and its flags set; beside a gate or a softmax threshold, which the CUDA kernels do
+    not take yet, the same tuple still goes to the reference ("cuda" raises)."""
     calls = record_ffi_calls(monkeypatch)
     fake_cuda_build(monkeypatch, [16], mask_map_cell=64)
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
-    dense, keys, rows, block = random_members(rng, KINDS, 2, 24, 32, 4, 2, (8, 16, 2))[0]
+    dense = rng.random((2, 1, 24, 32)) < 0.75
+    keys = masks.KeyRanges(*key_ranges.random_ranges(rng, (2, 2, 32), 24))
+    rows = masks.RowRanges(*row_ranges.random_ranges(rng, (1, 4, 24), 32))
+    block = masks.BlockIndices(blocks.random_indices(rng, (2, 1), 24, 32, 5, 3, 4), 5, 3)
+    i32 = jnp.dtype(jnp.int32)
+    slots = {"dense": [((2, 1, 24, 32), jnp.dtype(jnp.bool_))],
+             "keys": [((2, 2, 1, 32), i32)] * 2, "rows": [((1, 4, 24, 1), i32)] * 2,
+             "blocks": [((2, 1, 5, 4), i32)]}
+    members = {"dense": dense, "keys": keys, "rows": rows, "blocks": block}
+    flags = {"dense": "has_mask", "keys": "has_key_ranges", "rows": "has_row_ranges",
+             "blocks": "has_block_indices"}
+    for kinds in (("dense", "keys"), ("rows", "dense", "blocks"), ("keys", "rows"),
+                  ("keys", "blocks"), ("keys", "rows", "blocks"), KINDS):
+        operands = [x for kind in KINDS if kind in kinds for x in slots[kind]]
+        if "dense" in kinds:
+            operands += mask_summaries(2, 1, 24, 32)
+        assert_cuda_lowering_reads(calls, q, k, v, tuple(members[kind] for kind in kinds),
+                                   operands, **{flags[kind]: kind in kinds for kind in KINDS})
+    gate = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                 for shape in ((2, 24, 4), (2, 32, 2)))
+    for kw, reason in ((dict(gate=gate), "do not take a gate"),
+                       (dict(softmax_threshold=0.5), "do not take softmax_threshold")):
+        with pytest.raises(ValueError, match=reason):
+            lower_for_cuda(q, k, v, (dense, keys, rows, block), implementation="cuda", **kw)
 
-    def lower(mask, implementation):
-        lower_for_cuda(q, k, v, mask, implementation=implementation)
 
-    for mask, reason in (((dense, keys), "key ranges"), ((rows, dense, block), "row ranges"),
-                         ((dense, keys, rows, block), "key ranges")):
-        ops._warned_fallbacks.clear()  # the fixture's set: each combination warns afresh
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            lower(mask, None)
-        assert any(f"do not read {reason}" in str(w.message) for w in caught), caught
-        assert calls == []
-        with pytest.raises(ValueError, match="do not read"):
-            lower(mask, "cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lower((dense,), None)
-    assert {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET} <= {target for target, *_ in calls}
+def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
+    """The CUDA calls' workspaces are sized by the extension from the shapes the kernels see: q
+    and k, and each index mask's (segment ids, key_start, row_start, the block indices with
+    their block sizes; None where absent), merged over batch dims under vmap. A fake extension
+    records what it is asked (a build without CUDA has no sizing functions)."""
+    asked = []
+
+    class Extension:
+        @staticmethod
+        def cuda_forward_workspace_bytes(q, k, **index_masks):
+            asked.append(("forward", tuple(q), index_masks))
+            return 256
+
+        @staticmethod
+        def cuda_backward_workspace_bytes(q, k, dk, bias, dbias, **index_masks):
+            asked.append(("backward", tuple(bias), index_masks))
+            return 256
+
+    _ffi.register_targets()  # with the real extension, before the fake one stands in
+    monkeypatch.setattr(_ffi, "_extension", lambda: Extension)
+    fake_cuda_build(monkeypatch, [16], mask_map_cell=64)
+    rng = np.random.default_rng(5)
+    v_, b, lq, lk = 3, 2, 24, 32  # vmap size, batch
+    q, k, v = qkv(rng, v_ * b, lq, lk, 4, 2, 16, jnp.bfloat16)
+    q, k, v = (x.reshape(v_, b, *x.shape[1:]) for x in (q, k, v))
+    bias = jnp.asarray(rng.standard_normal((v_, b, 2, 1, lk)), jnp.bfloat16)
+    dense = rng.random((v_, b, 1, lq, lk)) < 0.75
+    ks, ke = key_ranges.random_ranges(rng, (v_, b, 2, lk), lq)
+    rs, re_ = row_ranges.random_ranges(rng, (v_, b, 4, lq), lk)
+    indices = blocks.random_indices(rng, (v_, b, 1), lq, lk, 5, 3, 4)
+    q_ids = np.zeros((v_, b, lq), np.int32)
+    kv_ids = np.zeros((v_, b, lk), np.int32)
+
+    def loss(q, k, v, bias, dense, ks, ke, rs, re_, indices, q_ids, kv_ids):
+        mask = (dense, masks.KeyRanges(ks, ke), masks.RowRanges(rs, re_),
+                masks.BlockIndices(indices, 5, 3))
+        return jnp.sum(flash_dmattn(q, k, v, mask, bias, q_segment_ids=q_ids,
+                                    kv_segment_ids=kv_ids, implementation="cuda")
+                       .astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    args = (q, k, v, bias, dense, ks, ke, rs, re_, indices, q_ids, kv_ids)
+    shapes = dict(q_segments=(b, lq), kv_segments=(b, lk), key_ranges=(b, 2, 1, lk),
+                  row_ranges=(b, 4, lq, 1), block_indices=(b, 1, 5, 4), block_q=5, block_k=3)
+    jax.jit(grad).trace(*(x[0] for x in args)).lower(lowering_platforms=("cuda",))
+    assert asked == [("forward", (b, lq, 4, 16), shapes), ("backward", (b, 2, 1, lk), shapes)]
+
+    # every operand mapped alike: the two batch dims merge into one of v_ * b
+    asked.clear()
+    jax.jit(jax.vmap(grad)).trace(*args).lower(lowering_platforms=("cuda",))
+    merged = {name: (v_ * b, *shape[1:]) if isinstance(shape, tuple) else shape
+              for name, shape in shapes.items()}
+    assert asked == [("forward", (v_ * b, lq, 4, 16), merged),
+                     ("backward", (v_ * b, 2, 1, lk), merged)], asked
+
+    # no index mask: every keyword None, no block sizes
+    asked.clear()
+    lower_for_cuda(q[0], k[0], v[0], dense[0], implementation="cuda")
+    none = dict.fromkeys(("q_segments", "kv_segments", "key_ranges", "row_ranges",
+                          "block_indices"))
+    assert [index_masks for *_, index_masks in asked] == [none, none]
+
+
+@pytest.mark.gpu
+def test_build_info_reports_cuda_index_masks():
+    assert _ffi.build_info()["cuda_index_masks"] is True

@@ -492,7 +492,7 @@ def _training_step_texts(with_bias_mask: bool, platform: str, implementation: st
         return {"stablehlo": traced.lower(lowering_platforms=("cuda",)).as_text()}
 
 
-def _fake_cuda_build(monkeypatch) -> None:
+def fake_cuda_lowering(monkeypatch) -> None:
     """Lowering for cuda on this machine: a CUDA build is faked, and the FFI calls lose only
     their flat uint8 workspaces, whose sizes the (absent) CUDA extension computes."""
     real_call = _ffi._call
@@ -517,7 +517,7 @@ def test_training_step_has_no_lq_by_lk_array(monkeypatch, platform, implementati
     a mask ``[B, 1, 1, Lk]`` broadcast over queries: every array of the lowered program (and of
     the compiled one on the cpu) holds fewer than Lq·Lk elements."""
     if platform == "cuda":
-        _fake_cuda_build(monkeypatch)
+        fake_cuda_lowering(monkeypatch)
     texts = _training_step_texts(with_bias_mask, platform, implementation)
     if platform == "cuda":  # the CUDA kernels ran, not a fallback (which would also be O(L²))
         assert _ffi.FORWARD_TARGET in texts["stablehlo"]
@@ -536,7 +536,7 @@ def test_training_step_check_sees_a_dense_mask(monkeypatch, platform, implementa
     """The control of the test above: the same step given the rule as a dense ``[B, 1, Lq, Lk]``
     mask instead of segment ids does show an array of Lq·Lk elements or more, in every form."""
     if platform == "cuda":
-        _fake_cuda_build(monkeypatch)
+        fake_cuda_lowering(monkeypatch)
     texts = _training_step_texts(True, platform, implementation, dense_mask=True)
     for form, text in texts.items():
         assert max(array_sizes(text))[0] >= MEM_L * MEM_L, form

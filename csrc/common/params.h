@@ -139,8 +139,8 @@ struct AttentionShape {
   // further limits the queries of kv head g to keys j < sink or
   // i + diagonal_offset - left <= j <= i + diagonal_offset + right (a bound < 0 unbounded),
   // and-ed with the rule above (so causality hides the sink's future keys too). Host memory of
-  // the call's attribute, valid during the call: only the CPU kernels read it, the CUDA handlers
-  // refuse a call that carries one.
+  // the call's attribute, valid during the call (the CUDA launchers copy it into their kernels'
+  // parameters).
   const int64_t* head_windows = nullptr;
   // Gated attention: the scores gain logsigmoid(alpha[b, i, h] * delta[b, j, h / (H / Hk)])
   // (added with the bias, before the softcap). With gate_cut > -inf, a kGateBlockQ × kGateBlockK
@@ -163,6 +163,10 @@ struct AttentionShape {
   bool deterministic = false;
 
   DMATTN_HD int64_t batch_count() const { return batch.count(); }
+  // Key ranges, row ranges or block indices: the O(L) mask forms.
+  DMATTN_HD bool has_mask_forms() const {
+    return key_ranges.present || row_ranges.present || block_indices.present;
+  }
   DMATTN_HD int64_t heads_per_kv_head() const { return num_heads / num_kv_heads; }
 
   // Element offsets of row 0 / head h of each operand family for flat batch index b.

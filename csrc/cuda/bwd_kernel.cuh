@@ -24,9 +24,9 @@
 // issued as soon as P, then dS, exist; dQ goes through a shared-memory stage and leaves with one
 // bulk reduction per block (StagedDq).
 //
-// Segment ids (kSegments): the walk over query blocks also skips the blocks whose query ids
-// cannot meet the key block's ids, and blocks with more than one id compare the ids of each
-// score (segments.cuh). Window tables (kTable): each key block's query range is that of its kv
+// Index masks (kIndex: segment ids, key / row ranges, block indices): the walk over query
+// blocks also skips the blocks they hide, and blocks they leave partly visible test each score
+// (index_masks.cuh). Window tables (kTable): each key block's query range is that of its kv
 // head's band, or with sink keys in the block, of the call's band; with sinks the CTAs run
 // rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
@@ -40,7 +40,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
-#include "cuda/segments.cuh"
+#include "cuda/index_masks.cuh"
 #include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
@@ -274,7 +274,7 @@ __device__ __forceinline__ bool sees_sink_keys_only(const PositionRule& rule, co
          d_lo >= rule.outer.dmin && d_hi <= rule.outer.dmax;
 }
 
-template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
+template <typename Tr, typename T, bool kBias, int kIndex, bool kTable>
 __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
@@ -286,11 +286,12 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   constexpr int kFragSteps = Tr::kRegFrags ? BM / 16 : 1;
   // sm_90a with register fragments: phase B's GEMMs start inside phase A.
   constexpr bool kEarlyB = Tr::kWgmma && Tr::kRegFrags;
+  constexpr bool kIndexed = kIndex != kNoIndex;
 
   static_assert((BN + kStages * BM) * 4 <= kSegmentSmem, "the ids fit the segment prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
-  // kSegments: the kv ids of the key block (this pair's batch entry), the q ids of each stage
+  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
+  // Segment ids: the kv ids of the key block (this pair's batch entry), the q ids of each stage
   int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);
   int32_t* sRowIds = sKeyIds + BN;
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -328,6 +329,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   const T* vg = static_cast<const T*>(p.v) + s.kv_offset(b_rep, hk) + n0 * kv_rs;
 
   const bool has_mask = p.mask != nullptr;
+  const bool has_segments = has_segment_ids<kIndex>(p);
   constexpr bool has_bias = kBias;  // p.bias != nullptr
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
@@ -456,7 +458,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
                                  L.q_len - m0, tid);
       load_tile_async<BM, D, NT>(sdO + st * (Tr::kQBytes / 2), dog + m0 * q_rs, q_rs,
                                  L.q_len - m0, tid);
-      if constexpr (kSegments) {
+      if (kIndexed && has_segments) {
         load_ids_async<BM, NT>(sRowIds + st * BM, q_segment_row(p, b) + m0, L.q_len - m0, tid);
       }
       for (int r = tid; r < BM; r += NT) {
@@ -472,18 +474,18 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       cp_async_commit();
     };
+    const FormEntries form_entries(p.forms, s, b, h);  // read by kIndexed kernels only
     auto walk = [&] {
       const MaskMapView map(p.mask_map, s, b, h);
-      if constexpr (kSegments) {
-        const SegmentSpansView spans(p.segment_spans, s, b);
-        return segmented_query_block_walk<BM, BN>(map, has_mask, n0, m_last, spans,
-                                                  spans.keys<BN>(n0));
+      if constexpr (kIndexed) {
+        return indexed_query_block_walk<BM, BN>(map, has_mask, n0, m_last,
+                                                IndexMasks<kIndex>(p, b, form_entries));
       } else {
         return query_block_walk<BM, BN>(map, has_mask, n0, m_last);
       }
     }();
     auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
-    if constexpr (kSegments) {  // read after the barrier of the pair's first block
+    if (kIndexed && has_segments) {  // read after the barrier of the pair's first block
       load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
       cp_async_commit();
     }
@@ -522,6 +524,17 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       const T* sB = sBias + stage * bias_stage;
       const float* sL = sLse + stage * BM;
       const float* sD = sDsum + stage * BM;
+
+      // The forms' element test before the GEMM, as in the forward (bit element_bit(mt, t, e)).
+      uint32_t form_hidden = 0;
+      if (has_mask_forms<kIndex>(p) && (flags & kTileIndexed)) {
+        MaskFormsView(p.forms, form_entries).each_form([&](auto sees) {
+          for_each_element<MA, NA>([&](int mt, int t, int e) {
+            const bool out = !sees(m0 + query_of(t, e), n0 + key_of(mt, e));
+            form_hidden |= static_cast<uint32_t>(out) << element_bit(mt, t, e);
+          });
+        });
+      }
 
       // ---------------- GEMM: S^T = K Q^T + bias^T / scale (fused: and dP^T = V dO^T) --------
       float st[MA][NA][4], dp[MA][NA][4];
@@ -630,14 +643,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
           hidden |= static_cast<uint32_t>(!in) << element_bit(mt, t, e);
         });
       }
-      if constexpr (kSegments) {
-        if (flags & kTileSegments) {
+      if constexpr (kIndexed) {
+        if (has_segments && (flags & kTileIndexed)) {
           const int32_t* row_ids = sRowIds + stage * BM;
           for_each_element<MA, NA>([&](int mt, int t, int e) {
             const bool other = row_ids[query_of(t, e)] != sKeyIds[key_of(mt, e)];
             hidden |= static_cast<uint32_t>(other) << element_bit(mt, t, e);
           });
         }
+        hidden |= form_hidden;
       }
       // S = softcap tanh(S / softcap); the dS factor 1 - tanh^2 parks in the dS tile until dS
       // replaces it (each thread reads back only what it wrote itself: no barrier).
@@ -1119,8 +1133,9 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 // Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
 // trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
 // call has a bias (without, none of the bias and dbias code takes registers from the GEMMs);
-// kSegments: the call has segment ids, kTable a window table (likewise).
-template <typename Tr, typename T, bool kBias, bool kSegments, bool kTable>
+// kIndex: the index masks compiled (IndexKind, index_masks.cuh), kTable a window table
+// (likewise).
+template <typename Tr, typename T, bool kBias, int kIndex, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__)
@@ -1132,7 +1147,7 @@ __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
   if constexpr (!kCompiled) {
     __trap();
   } else {
-    detail::bwd_main<Tr, T, kBias, kSegments, kTable>(p);
+    detail::bwd_main<Tr, T, kBias, kIndex, kTable>(p);
   }
 }
 

@@ -1,7 +1,7 @@
 // Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
 // accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
-// shape.deterministic; the main backward kernel then skips its dQ phase. Segment ids
-// (kSegments) and window tables (kTable) act as in the forward (segments.cuh, fwd_kernel.cuh).
+// shape.deterministic; the main backward kernel then skips its dQ phase. Index masks
+// (kIndex) and window tables (kTable) act as in the forward (index_masks.cuh, fwd_kernel.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
-#include "cuda/segments.cuh"
+#include "cuda/index_masks.cuh"
 
 namespace dmattn::cuda {
 
@@ -39,20 +39,21 @@ struct DqTraits {
   static constexpr int kSmem = kOffMask + kMaskTile;
 };
 
-template <typename Tr, typename T, bool kSegments, bool kTable>
+template <typename Tr, typename T, int kIndex, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqParams dqp) {
   using namespace detail;
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
   constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
+  constexpr bool kIndexed = kIndex != kNoIndex;
   using TileQ = SwizzledTile<BM, D>;
   using TileKV = SwizzledTile<BN, D>;
   const BwdParams& p = dqp.p;
 
   static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
-  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // kSegments: block n's kv ids
+  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
+  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // segment ids: block n's kv ids
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sdO = reinterpret_cast<T*>(smem + Tr::kOffdO);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -86,6 +87,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   const T* vg = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
 
   const bool has_mask = p.mask != nullptr;
+  const bool has_segments = has_segment_ids<kIndex>(p);
   const bool has_bias = p.bias != nullptr;
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
@@ -118,8 +120,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     load_kv(sV, vg, n);
     if (has_bias) load_bias(n);
     if (!(flags & kTileAll)) load_mask(n);
-    if constexpr (kSegments) {
-      if (flags & kTileSegments) {
+    if constexpr (kIndexed) {
+      if (has_segments && (flags & kTileIndexed)) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
       }
     }
@@ -143,8 +145,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     lse2[half] = l == -INFINITY ? INFINITY : l * kLog2e;
     dsum[half] = d;
   }
-  int row_ids[2] = {0, 0};  // kSegments (rows past the length: hidden by the bounds test)
-  if constexpr (kSegments) {
+  int row_ids[2] = {0, 0};  // segment ids (rows past the length: hidden by the bounds test)
+  if (kIndexed && has_segments) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = m0 + row0 + half * 8;
@@ -155,10 +157,11 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   // A fresh walk at every step: one kept across steps takes registers this 255-register kernel
   // lacks (H200 harness, deterministic dense D=128 L4k backward: 8.32 ms kept, 8.26 fresh).
   const MaskMapView map(p.mask_map, s, b, h);
+  const FormEntries form_entries(p.forms, s, b, h);  // read by kIndexed kernels only
   auto walk_next = [&](int n, int* flags) {
-    if constexpr (kSegments) {
-      const SegmentSpansView spans(p.segment_spans, s, b);
-      return segmented_key_block_walk<BM, BN>(map, has_mask, m0, n_lo, spans, spans.rows<BM>(m0))
+    if constexpr (kIndexed) {
+      return indexed_key_block_walk<BM, BN>(map, has_mask, m0, n_lo,
+                                            IndexMasks<kIndex>(p, b, form_entries))
           .next(n, flags);
     } else {
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
@@ -195,6 +198,23 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     const int n0 = n * BN;
     cp_async_wait<0>();
     __syncthreads();  // K, V, bias, mask of block n visible
+
+    // The forms' element test before the GEMMs, as in the forward: bit (half NTS + t) 2 + e.
+    static_assert(4 * NTS <= 32, "a bit per element of a thread");
+    uint32_t form_hidden = 0;
+    if (has_mask_forms<kIndex>(p) && (flags & kTileIndexed)) {
+      MaskFormsView(p.forms, form_entries).each_form([&](auto sees) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int t = 0; t < NTS; ++t)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const bool in = sees(m0 + row0 + half * 8, n0 + t * 8 + 2 * tq + e);
+              form_hidden |= static_cast<uint32_t>(!in) << ((half * NTS + t) * 2 + e);
+            }
+      });
+    }
 
     float sc[NTS][4], dp[NTS][4];
 #pragma unroll
@@ -237,7 +257,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||
         (static_cast<int64_t>(n0) + BN - 1 - m0 > band.dmax);
     const bool mask_apply = !(flags & kTileAll);
-    const bool segments_apply = kSegments && (flags & kTileSegments);
+    const bool segments_apply = has_segments && (flags & kTileIndexed);
     const bool capped = p.softcap > 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -261,6 +281,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
             }
           }
           if (segments_apply) vis = vis && sKeyIds[c] == row_ids[half];
+          vis = vis && !(form_hidden >> ((half * NTS + t) * 2 + e) & 1u);
           float x = sc[t][2 * half + e];
           float tc = 0.f;
           if (capped) {

@@ -11,9 +11,9 @@
 // the key-block range; within it the mask block map names the next block with any true element
 // (all-false blocks cost no loads and no GEMMs), and all-true blocks skip the mask tile and the
 // per-element test. With split-KV each CTA walks one slice of the key blocks and leaves a partial
-// result for fwd_combine.cuh. With segment ids (kSegments) the walk also skips the blocks whose
-// key ids cannot meet the block's query ids, and blocks with more than one id compare the ids
-// of each score (segments.cuh). With a window table (kTable) the range is the kv head's band
+// result for fwd_combine.cuh. With index masks (kIndex: segment ids, key / row ranges, block
+// indices) the walk also skips the blocks they hide, and blocks they leave partly visible test
+// each score (index_masks.cuh). With a window table (kTable) the range is the kv head's band
 // and its sink's blocks, the walk stepping over the gap between them.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
@@ -26,7 +26,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
-#include "cuda/segments.cuh"
+#include "cuda/index_masks.cuh"
 #include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
@@ -175,22 +175,24 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 
 }  // namespace detail
 
-// kSegments: the call has segment ids; kTable: a window table (AttentionShape::head_windows).
+// kIndex: the index masks compiled (IndexKind, index_masks.cuh); kTable: a window table
+// (AttentionShape::head_windows).
 // Kernels of their own (PickRules in launch_template.cuh), so that the others compile none of
 // their code.
-template <typename Tr, typename T, bool kSegments, bool kTable>
+template <typename Tr, typename T, int kIndex, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
   constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
+  constexpr bool kIndexed = kIndex != kNoIndex;
   using TileQ = SwizzledTile<BM, D>;
   using TileKV = SwizzledTile<BN, D>;
 
   static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kSegments ? kSegmentSmem : 0);
-  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // kSegments: block n's kv ids
+  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
+  int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // segment ids: block n's kv ids
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
@@ -227,6 +229,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
 
   const bool has_mask = p.mask != nullptr;
   const bool has_bias = p.bias != nullptr;
+  const bool has_segments = has_segment_ids<kIndex>(p);
   const bool mask_one_row = s.mask.row_stride == 0;
   const bool bias_one_row = s.bias.row_stride == 0;
   const uint8_t* mg = has_mask ? p.mask + s.mask.offset(s.batch, b, h) + m0 * s.mask.row_stride
@@ -265,19 +268,19 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     load_kv(sK, kg, n);
     if (has_bias) load_bias(n);
     if (!(flags & kTileAll)) load_mask(n);
-    if constexpr (kSegments) {
-      if (flags & kTileSegments) {
+    if constexpr (kIndexed) {
+      if (has_segments && (flags & kTileIndexed)) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
       }
     }
     cp_async_commit();
   };
   const MaskMapView map(p.mask_map, s, b, h);
+  const FormEntries form_entries(p.forms, s, b, h);  // read by kIndexed kernels only
   auto make_walk = [&] {
-    if constexpr (kSegments) {
-      const SegmentSpansView spans(p.segment_spans, s, b);
-      return segmented_key_block_walk<BM, BN>(map, has_mask, m0, n_lo, spans,
-                                              spans.rows<BM>(m0));
+    if constexpr (kIndexed) {
+      return indexed_key_block_walk<BM, BN>(map, has_mask, m0, n_lo,
+                                            IndexMasks<kIndex>(p, b, form_entries));
     } else {
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo);
     }
@@ -319,9 +322,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     row_l[r] = 0.f;
   }
   const int warp_row0 = warp * Tr::kRowsPerWarp;
-  // kSegments: the ids of this thread's rows (rows past the length: hidden by the bounds test)
-  int row_ids[kSegments ? 2 * MT : 1];
-  if constexpr (kSegments) {
+  // With segment ids: the ids of this thread's rows (rows past the length: hidden by the bounds
+  // test)
+  int row_ids[kIndexed ? 2 * MT : 1];
+  if (kIndexed && has_segments) {
     const int32_t* ids = q_segment_row(p, b);
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
@@ -337,6 +341,21 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     operands_visible<Tr>();  // K, bias, mask of block n (and Q)
     load_kv(sV, vg, n);
     cp_async_commit();
+
+    // The forms' element test runs before the GEMM: its loads then take the registers that S's
+    // accumulators take later (after it, 200+ bytes of spills at D = 128).
+    const bool forms_test = has_mask_forms<kIndex>(p) && (flags & kTileIndexed);
+    uint32_t form_hidden[kIndexed ? (MT * NTS * 4 + 31) / 32 : 1] = {};
+    if (forms_test) {
+      MaskFormsView(p.forms, form_entries).each_form([&](auto sees) {
+        for_each_element<MT, NTS>([&](int mt, int t, int e) {
+          const int bit = (mt * NTS + t) * 4 + e;
+          const bool in = sees(m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8,
+                               n0 + t * 8 + 2 * tq + (e & 1));
+          form_hidden[bit / 32] |= static_cast<uint32_t>(!in) << (bit % 32);
+        });
+      });
+    }
 
     // S = bias / scale + Q K^T (each optional feature is tested once around its element loop:
     // a branch, not a predicated instruction per element)
@@ -390,13 +409,19 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         if (!in) sc[mt][t][e] = -INFINITY;
       });
     }
-    if constexpr (kSegments) {
-      if (flags & kTileSegments) {
+    if constexpr (kIndexed) {
+      if (has_segments && (flags & kTileIndexed)) {
         for_each_pair<MT, NTS>([&](int mt, int t, int half) {
           const int2 key = *reinterpret_cast<const int2*>(sKeyIds + t * 8 + 2 * tq);
           const int row = row_ids[2 * mt + half];
           if (key.x != row) sc[mt][t][2 * half] = -INFINITY;
           if (key.y != row) sc[mt][t][2 * half + 1] = -INFINITY;
+        });
+      }
+      if (forms_test) {
+        for_each_element<MT, NTS>([&](int mt, int t, int e) {
+          const int bit = (mt * NTS + t) * 4 + e;
+          if (form_hidden[bit / 32] >> (bit % 32) & 1u) sc[mt][t][e] = -INFINITY;
         });
       }
     }

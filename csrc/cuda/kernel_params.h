@@ -35,6 +35,51 @@ struct SegmentSpanLayout {
   int q_cells = 0, kv_cells = 0;
 };
 
+// Positions per cell of the range summaries (MaskForms).
+constexpr int kRangeCell = 64;
+
+// n / d for 0 <= n < 2^31 by a multiply-high and a shift (Granlund-Montgomery, as CUTLASS's
+// FastDivmod): the element tests of block indices divide every position by a block size.
+struct FastDiv {
+  uint32_t mul = 0;
+  uint32_t shift = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t d) {
+    while ((1ull << shift) < d) ++shift;
+    mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+  }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ int operator()(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, mul) + u) >> shift);
+  }
+#endif
+};
+
+// The O(L) mask forms (AttentionShape: key_ranges, row_ranges, block_indices) as the
+// FlashAttention-2-class kernels read them (mask_forms.cuh); null pointers where the call has no
+// such form. A pass before the attention kernels (mask_forms.cu) writes their summaries, so that
+// a tile walk learns what a tile's ranges or blocks leave visible from a few loads:
+//   key_cells [key-range entries][ceil(Lk / kRangeCell)] and row_cells [row-range entries]
+//   [ceil(Lq / kRangeCell)]: per cell of keys (rows), int4 {min start and max end of its
+//   non-empty ranges, max start and min end of all of them} (RangeHull);
+//   block_bits [block entries][block_rows][block_words]: bit kb of row qb is set when query
+//   block qb lists key block kb.
+// An entry is the form's [Lk], [Lq] or [nQB, K] slice of one (batch, head) entry.
+struct MaskForms {
+  bool present = false;
+  int lq = 0, lk = 0;  // the call's Lq and Lk: the ranges' lengths
+  const int32_t* key_start = nullptr;
+  const int32_t* key_end = nullptr;
+  const int4* key_cells = nullptr;
+  const int32_t* row_start = nullptr;
+  const int32_t* row_end = nullptr;
+  const int4* row_cells = nullptr;
+  const uint32_t* block_bits = nullptr;
+  int block_rows = 0, block_words = 0;
+  FastDiv div_q, div_k;  // by block_q, block_k
+};
+
 // Per-kv-head windows with sinks (AttentionShape::head_windows, a host table) as the kernels read
 // it, by value: kv head g sees, by position, the keys of its band (the call's diagonal window
 // narrowed by g's window, as offsets j - i) and the keys j < sink under the call's own window
@@ -95,6 +140,7 @@ struct FwdParams {
   bool bias_vec;      // bias tiles can use 16-byte cp.async
   // Last, so that the kernels without a table see the other fields where they always were.
   HeadWindows windows;
+  MaskForms forms;  // after the table, for the same reason
 };
 
 // dbias handling in the backward.
@@ -162,6 +208,7 @@ struct BwdParams {
   // blocks see every query block).
   bool ranks_outer;
   HeadWindows windows;
+  MaskForms forms;
 };
 
 }  // namespace dmattn::cuda

@@ -387,6 +387,9 @@ __device__ __forceinline__ void load_operand_tile(E* smem, const E* base, int64_
 // Mask tile flags: some element true (kTileAny), every element true (kTileAll: no per-element
 // test needed). Built per 64 x 64 cell by block_map.cu, read through block_map.cuh.
 constexpr int kTileAny = 1, kTileAll = 2;
+// A tile walk's flag beside them: the tile's index masks (segment ids, segments.cuh; the O(L)
+// mask forms, mask_forms.cuh) hide some of its scores, so each is tested.
+constexpr int kTileIndexed = 4;
 // True when no byte of x is zero.
 __device__ __forceinline__ bool no_zero_byte(uint32_t x) {
   return ((x - 0x01010101u) & ~x & 0x80808080u) == 0;

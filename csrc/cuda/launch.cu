@@ -145,27 +145,45 @@ SegmentSpanLayout SegmentSpans(const AttentionShape& s) {
   return l;
 }
 
-// With segment ids: takes their spans from the front of `*workspace` (`*bytes` long), points
-// the params at the ids and the spans, and runs the spans pass on `stream`. Without: no ids.
-template <typename Params>
-cudaError_t TakeSegmentSpans(const AttentionShape& s, const int32_t* q_ids, const int32_t* kv_ids,
-                             uint8_t** workspace, int64_t* bytes, Params* p,
-                             cudaStream_t stream) {
+// In whole 256-byte units: the workspace after the spans stays aligned.
+int64_t SegmentSpanBytes(const AttentionShape& s) {
+  const SegmentSpanLayout l = SegmentSpans(s);
+  return CeilDiv(l.rows * (l.q_cells + l.kv_cells) * static_cast<int64_t>(sizeof(int2)), 256) *
+         256;
+}
+
+// With index masks: takes their summaries ([segment spans][forms' summaries]) from the front of
+// `*workspace` (`*bytes` long), points the params at the masks and the summaries, and runs
+// their passes on `stream`. Without: none.
+template <typename Args, typename Params>
+cudaError_t TakeIndexMasks(const AttentionShape& s, const Args& args, uint8_t** workspace,
+                           int64_t* bytes, Params* p, cudaStream_t stream) {
   p->q_segments = nullptr;
   p->kv_segments = nullptr;
   p->segment_spans = SegmentSpanLayout{};
-  if (!s.has_segments) return cudaSuccess;
-  const int64_t need = SegmentSpanBytes(s);
-  if (q_ids == nullptr || kv_ids == nullptr || *bytes < need) return cudaErrorInvalidValue;
-  p->q_segments = q_ids;
-  p->kv_segments = kv_ids;
-  p->segment_spans = SegmentSpans(s);
-  auto* spans = reinterpret_cast<int2*>(*workspace);
-  p->segment_spans.spans = spans;
+  p->forms = MaskForms{};
+  const int64_t need = IndexMaskBytes(s);
+  if (need == 0) return cudaSuccess;
+  if (*bytes < need) return cudaErrorInvalidValue;
+  uint8_t* spans_at = *workspace;
+  uint8_t* forms_at = spans_at + SegmentSpanBytes(s);
   *workspace += need;
   *bytes -= need;
-  return BuildSegmentSpans(q_ids, kv_ids, s.seqlen_q, s.seqlen_k, p->segment_spans, spans,
-                           stream);
+  if (s.has_segments) {
+    if (args.q_segments == nullptr || args.kv_segments == nullptr) return cudaErrorInvalidValue;
+    p->q_segments = args.q_segments;
+    p->kv_segments = args.kv_segments;
+    p->segment_spans = SegmentSpans(s);
+    auto* spans = reinterpret_cast<int2*>(spans_at);
+    p->segment_spans.spans = spans;
+    if (cudaError_t e = BuildSegmentSpans(args.q_segments, args.kv_segments, s.seqlen_q,
+                                          s.seqlen_k, p->segment_spans, spans, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return BuildMaskForms(s, args.key_start, args.key_end, args.row_start, args.row_end,
+                        args.block_indices, forms_at, &p->forms, stream);
 }
 
 int64_t DbiasWorkspaceBytes(const AttentionShape& s) {
@@ -244,7 +262,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr);
+         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms();
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {
@@ -304,19 +322,17 @@ bool SupportsHeadWindows(const AttentionShape& s) {
   return s.head_windows == nullptr || s.num_kv_heads <= kMaxWindowHeads;
 }
 
-// In whole 256-byte units: the workspace after the spans stays aligned.
-int64_t SegmentSpanBytes(const AttentionShape& s) {
-  const SegmentSpanLayout l = SegmentSpans(s);
-  return CeilDiv(l.rows * (l.q_cells + l.kv_cells) * static_cast<int64_t>(sizeof(int2)), 256) *
-         256;
+int64_t IndexMaskBytes(const AttentionShape& s) {
+  return SegmentSpanBytes(s) + MaskFormsBytes(s);
 }
 
-// The forward's workspace: [segment spans][tile counter][query-block order][split partials].
+// The forward's workspace: [index masks' summaries][tile counter][query-block order][split
+// partials].
 constexpr int64_t kTileCounterBytes = 256;
 
 int64_t ForwardWorkspaceBytes(const AttentionShape& shape) {
   const int64_t splits = ForwardSplits(shape);
-  return SegmentSpanBytes(shape) + kTileCounterBytes + BlockOrderBytes(QueryBlocks(shape)) +
+  return IndexMaskBytes(shape) + kTileCounterBytes + BlockOrderBytes(QueryBlocks(shape)) +
          (splits > 1 ? splits * SplitBytes(shape) : 0);
 }
 
@@ -347,7 +363,7 @@ bool SupportsHeadDim(int64_t head_dim) {
 }
 
 int64_t BackwardWorkspaceBytes(const AttentionShape& shape) {
-  return SegmentSpanBytes(shape) + BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
+  return IndexMaskBytes(shape) + BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
@@ -381,12 +397,12 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
     return cudaErrorInvalidValue;
   }
   p.mask_map = MaskBlockMapLayout(p.s, args.mask_map, args.mask_bits);
-  // The workspace ([segment spans][tile counter][block order][split partials]) was sized at
-  // trace time by the same rules; no counter, no order and fewer splits if it came out smaller.
+  // The workspace ([index masks' summaries][tile counter][block order][split partials]) was
+  // sized at trace time by the same rules; no counter, no order and fewer splits if it came out
+  // smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[0]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[0] : 0;
-  if (cudaError_t e = TakeSegmentSpans(shape, args.q_segments, args.kv_segments, &workspace,
-                                       &workspace_bytes, &p, stream);
+  if (cudaError_t e = TakeIndexMasks(shape, args, &workspace, &workspace_bytes, &p, stream);
       e != cudaSuccess) {
     return e;
   }
@@ -481,12 +497,11 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.kv_members = mem.members;
   p.kv_classes = mem.classes;
 
-  // Workspace 1 ([segment spans][key-block order][dbias accumulator]) was sized at trace time by
-  // the same rules; no order if it came out smaller.
+  // Workspace 1 ([index masks' summaries][key-block order][dbias accumulator]) was sized at
+  // trace time by the same rules; no order if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[1]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
-  if (cudaError_t e = TakeSegmentSpans(shape, args.q_segments, args.kv_segments, &workspace,
-                                       &workspace_bytes, &p, stream);
+  if (cudaError_t e = TakeIndexMasks(shape, args, &workspace, &workspace_bytes, &p, stream);
       e != cudaSuccess) {
     return e;
   }
@@ -506,8 +521,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     } else {
       p.dbias_mode = kDbiasDirect;
       const bool full_rows = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
-      // The fill pass knows the tiles that the band and the mask skip, not the segment ids'.
-      p.dbias_fill = full_rows && !shape.has_segments;
+      // The fill pass knows the tiles that the band and the mask skip, not the index masks'.
+      p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms();
       p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }

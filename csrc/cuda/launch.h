@@ -77,6 +77,15 @@ MaskBlockMap MaskBlockMapLayout(const AttentionShape& shape, const uint8_t* cell
 cudaError_t BuildSegmentSpans(const int32_t* q_ids, const int32_t* kv_ids, int64_t lq, int64_t lk,
                               const SegmentSpanLayout& layout, int2* spans, cudaStream_t stream);
 
+// The summaries pass of the O(L) mask forms (mask_forms.cu): MaskFormsBytes(shape) bytes of
+// summaries at `workspace`, and `forms` pointing at them and at the forms (a call without forms:
+// none, nothing launched).
+int64_t MaskFormsBytes(const AttentionShape& shape);
+cudaError_t BuildMaskForms(const AttentionShape& shape, const int32_t* key_start,
+                           const int32_t* key_end, const int32_t* row_start, const int32_t* row_end,
+                           const int32_t* block_indices, uint8_t* workspace, MaskForms* forms,
+                           cudaStream_t stream);
+
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);
 

@@ -38,13 +38,20 @@ struct BwdTiles {
   using DqTraits = DqTraits<D, 64, 64, 4>;
 };
 
-// The kernel of a call's per-position rules beyond the band: segment ids, a window table, both
-// or neither (each a template instantiation of its own: calls without them compile none of
-// their code).
+// The kernel of a call's per-position rules beyond the band: its index masks (IndexKind,
+// index_masks.cuh) and whether it has a window table, each combination a template instantiation
+// of its own (calls without them compile none of their code). kernel(index, table) names the
+// instantiation for a std::integral_constant index and a std::bool_constant table.
 template <typename Kernel>
-inline Kernel PickRules(bool segments, bool table, Kernel neither, Kernel ids, Kernel window_table,
-                        Kernel both) {
-  return segments ? (table ? both : ids) : (table ? window_table : neither);
+inline auto PickRules(int index, bool table, Kernel kernel) {
+  auto with_table = [&](auto index_c) {
+    return table ? kernel(index_c, std::true_type{}) : kernel(index_c, std::false_type{});
+  };
+  switch (index) {
+    case kSegmentIds: return with_table(std::integral_constant<int, kSegmentIds>{});
+    case kFormsAndIds: return with_table(std::integral_constant<int, kFormsAndIds>{});
+    default: return with_table(std::integral_constant<int, kNoIndex>{});
+  }
 }
 
 // CTAs of the backward grid for key block BN (one per key block, kv head and dk/dv class).
@@ -174,11 +181,11 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
-  const bool segments = p.q_segments != nullptr;
-  auto kernel = PickRules(segments, p.windows.heads > 0, fwd_kernel<Tr, T, false, false>,
-                          fwd_kernel<Tr, T, true, false>, fwd_kernel<Tr, T, false, true>,
-                          fwd_kernel<Tr, T, true, true>);
-  const int prefix = segments ? kSegmentSmem : 0;  // the segment ids' tile
+  const int index = IndexKindOf(p);
+  auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
+    return fwd_kernel<Tr, T, decltype(i)::value, decltype(table)::value>;
+  });
+  const int prefix = index != kNoIndex ? kSegmentSmem : 0;  // the segment ids' tile
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
   const int smem = prefix + (p.mask != nullptr ? Tr::kSmem
@@ -282,18 +289,16 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   // 3. main kernel: dk, dv, dbias (and dq through atomics)
   if (cudaError_t e = OrderKeyBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   {
-    const bool segments = p.q_segments != nullptr;
+    const int index = IndexKindOf(p);
     const bool table = p.windows.heads > 0;
-    auto kernel = p.bias != nullptr
-                      ? PickRules(segments, table, bwd_kernel<Tr, T, true, false, false>,
-                                  bwd_kernel<Tr, T, true, true, false>,
-                                  bwd_kernel<Tr, T, true, false, true>,
-                                  bwd_kernel<Tr, T, true, true, true>)
-                      : PickRules(segments, table, bwd_kernel<Tr, T, false, false, false>,
-                                  bwd_kernel<Tr, T, false, true, false>,
-                                  bwd_kernel<Tr, T, false, false, true>,
-                                  bwd_kernel<Tr, T, false, true, true>);
-    const int smem = (segments ? kSegmentSmem : 0) +
+    auto kernel_with_bias = [&](auto bias) {
+      return PickRules(index, table, [](auto i, auto t) {
+        return bwd_kernel<Tr, T, decltype(bias)::value, decltype(i)::value, decltype(t)::value>;
+      });
+    };
+    auto kernel = p.bias != nullptr ? kernel_with_bias(std::true_type{})
+                                    : kernel_with_bias(std::false_type{});
+    const int smem = (index != kNoIndex ? kSegmentSmem : 0) +
                      Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
@@ -318,11 +323,11 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     dp.dq = launch.dq;
     dp.m_blocks = static_cast<int>((s.seqlen_q + DqTr::BM - 1) / DqTr::BM);
     const int64_t blocks = static_cast<int64_t>(dp.m_blocks) * B * s.num_heads;
-    const bool segments = p.q_segments != nullptr;
-    auto kernel = PickRules(segments, p.windows.heads > 0, dq_kernel<DqTr, T, false, false>,
-                            dq_kernel<DqTr, T, true, false>, dq_kernel<DqTr, T, false, true>,
-                            dq_kernel<DqTr, T, true, true>);
-    const int smem = (segments ? kSegmentSmem : 0) + DqTr::kSmem;
+    const int index = IndexKindOf(p);
+    auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
+      return dq_kernel<DqTr, T, decltype(i)::value, decltype(table)::value>;
+    });
+    const int smem = (index != kNoIndex ? kSegmentSmem : 0) + DqTr::kSmem;
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, smem, stream>>>(dp);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

@@ -1,13 +1,15 @@
-// Segment ids (sequence packing) in the FlashAttention-2-class kernels: query i sees key j only
-// where q_segments[i] == kv_segments[j].
+// Segment ids (sequence packing) in the attention kernels: query i sees key j only where
+// q_segments[i] == kv_segments[j].
 //
 // A pass before the attention kernels (segment_spans_kernel) writes the {min, max} of every
 // kSegmentCell ids of each id row (SegmentSpanLayout), so that a kernel's tile walk learns
 // whether a tile's query and key ids can meet from one 8-byte load per cell, 32 tiles at a time
 // (TileWalk), instead of reading every id of the tiles it skips. A tile whose spans do not meet
 // is skipped like an all-false mask tile (no loads, no GEMM); a tile whose ids are all one value
-// needs no per-score test; the others (kTileSegments) compare the ids of each score, read from a
-// small shared-memory tile (the kernels' kSegmentSmem prefix).
+// needs no per-score test; the others (kTileIndexed) compare the ids of each score, read from a
+// small shared-memory tile (the kernels' kSegmentSmem prefix). The FlashAttention-2-class
+// kernels apply them with the other index masks (index_masks.cuh); the Hopper forward, which
+// takes no other, by SegmentedTileFlags.
 #pragma once
 
 #include <climits>
@@ -25,11 +27,6 @@ namespace dmattn::cuda {
 constexpr int kSegmentSmem = 1024;
 
 namespace detail {
-
-// Flag of a tile walk (beside kTileAny / kTileAll): the tile's segment ids differ somewhere, so
-// each score's query and key ids are compared.
-constexpr int kTileSegments = 4;
-static_assert((kTileSegments & (kTileAny | kTileAll)) == 0, "a flag of its own");
 
 // An inclusive span of ids; empty when lo > hi.
 struct IdSpan {
@@ -78,16 +75,17 @@ struct SegmentSpansView {
 };
 
 // What the ids of a tile whose query and key id spans are `a` and `b` hide: every score (0), no
-// score (kTileAny) or some (kTileAny | kTileSegments).
+// score (kTileAny) or some (kTileAny | kTileIndexed).
 __device__ __forceinline__ int segment_flags(IdSpan a, IdSpan b) {
   if (a.lo > b.hi || b.lo > a.hi) return 0;  // no id in common (or an empty side)
   const bool one_id = a.lo == a.hi && b.lo == b.hi;  // and they meet: the same id
-  return one_id ? kTileAny : (kTileAny | kTileSegments);
+  return one_id ? kTileAny : (kTileAny | kTileIndexed);
 }
 
-// A tile walk's flags (FlagsOf of TileWalk, block_map.cuh) with the segment ids applied: the
-// mask's flags (all visible without a mask) and-ed with what the ids leave visible. The walk
-// moves along one side (kBlock positions a tile); `fixed` is the span of the other side's ids.
+// The Hopper forward's tile walk flags (FlagsOf of TileWalk, block_map.cuh) with the segment ids
+// applied: the mask's flags (all visible without a mask) and-ed with what the ids leave visible.
+// The walk moves along one side (kBlock positions a tile); `fixed` is the span of the other
+// side's ids.
 template <typename MaskFlags, int kBlock, bool kAlongKeys>
 struct SegmentedTileFlags {
   MaskFlags mask;
@@ -104,28 +102,6 @@ struct SegmentedTileFlags {
     return seg ? (f | seg) : 0;
   }
 };
-
-// Key blocks n, n - 1, ... down to n_lo of query rows m0.. (whose ids span `rows`) that the mask
-// and the segment ids leave visible (forward, dq kernel); n_lo - 1 when none is left.
-template <int BM, int BN>
-using SegmentedKeyWalk = TileWalk<-1, SegmentedTileFlags<KeyTileFlags<BM, BN>, BN, true>>;
-template <int BM, int BN>
-__device__ __forceinline__ SegmentedKeyWalk<BM, BN> segmented_key_block_walk(
-    const MaskMapView& map, bool has_mask, int m0, int n_lo, const SegmentSpansView& spans,
-    IdSpan rows) {
-  return SegmentedKeyWalk<BM, BN>(true, {{map, m0}, has_mask, spans, rows}, n_lo - 1);
-}
-
-// Query blocks m, m + 1, ... up to m_last of key columns n0.. (whose ids span `keys`) that the
-// mask and the segment ids leave visible (backward); m_last + 1 when none is left.
-template <int BM, int BN>
-using SegmentedQueryWalk = TileWalk<1, SegmentedTileFlags<QueryTileFlags<BM, BN>, BM, false>>;
-template <int BM, int BN>
-__device__ __forceinline__ SegmentedQueryWalk<BM, BN> segmented_query_block_walk(
-    const MaskMapView& map, bool has_mask, int n0, int m_last, const SegmentSpansView& spans,
-    IdSpan keys) {
-  return SegmentedQueryWalk<BM, BN>(true, {{map, n0}, has_mask, spans, keys}, m_last + 1);
-}
 
 // The ids of batch entry b: q [Lq], kv [Lk].
 template <typename Params>

@@ -23,18 +23,6 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: no CUDA kernel compiled for head dim " +
                           std::to_string(shape.head_dim));
   }
-  if (shape.key_ranges.present) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not read key ranges yet (issue 24)");
-  }
-  if (shape.row_ranges.present) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not read row ranges yet (issue 24)");
-  }
-  if (shape.block_indices.present) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not read block indices yet (issue 24)");
-  }
   if (!cuda::SupportsHeadWindows(shape)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels take window tables (window_sizes) of at most " +

@@ -54,11 +54,12 @@ nb::dict BuildInfo() {
   // The FFI API version the handlers were compiled against: a jaxlib older than it refuses them.
   info["xla_ffi_api"] = std::vector<int>{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
   info["segments"] = true;  // the CPU kernels read segment ids
-  info["key_ranges"] = true;  // and key ranges (the CUDA kernels do not)
-  info["row_ranges"] = true;  // and row ranges (the CUDA kernels do not)
-  info["block_indices"] = true;  // and block indices (the CUDA kernels do not)
+  info["key_ranges"] = true;  // and key ranges
+  info["row_ranges"] = true;  // and row ranges
+  info["block_indices"] = true;  // and block indices
   info["window_sizes"] = true;  // and per-kv-head windows with sinks
-  info["gate"] = true;  // and the gate of gated attention, with its threshold (likewise)
+  // and the gate of gated attention, with its threshold (the CUDA kernels do not)
+  info["gate"] = true;
   info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (likewise)
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
@@ -67,6 +68,7 @@ nb::dict BuildInfo() {
   info["cuda_dtypes"] = std::string(DMATTN_CUDA_DTYPES);
   info["mask_map_cell"] = dmattn::kMaskMapCell;
   info["cuda_segments"] = true;  // so do the CUDA kernels
+  info["cuda_index_masks"] = true;  // and key ranges, row ranges and block indices
   info["cuda_window_heads"] = dmattn::kMaxWindowHeads;  // window tables of at most so many kv heads
 #else
   info["cuda"] = false;
@@ -108,57 +110,99 @@ void ThrowOnError(const xla::ffi::Error& e) {
 
 using OptionalDims = std::optional<std::vector<int64_t>>;
 
-// The segment id operands of a shape-only call (int32 [*batch|1, Lq] and [*batch|1, Lk]), when
-// given.
-bool AddSegments(ShapeOnlyBuffers& b, dmattn::Buffers& args, const OptionalDims& q_segments,
-                 const OptionalDims& kv_segments) {
-  if (!q_segments || !kv_segments) return false;
-  args.push_back(b.Add(*q_segments, XLA_FFI_DataType_S32));
-  args.push_back(b.Add(*kv_segments, XLA_FFI_DataType_S32));
-  return true;
+// The index-mask operands of a call, by the dims the kernels see (nullopt: absent): segment ids
+// (int32 [*batch|1, Lq] and [*batch|1, Lk]), key ranges (key_start's dims, [*batch|1, H|Hk|1, 1,
+// Lk]; key_end has the same), row ranges (row_start's, [*batch|1, H|Hk|1, Lq, 1]) and block
+// indices ([*batch|1, H|Hk|1, ceil(Lq / block_q), K]) with their block sizes.
+struct IndexMaskDims {
+  OptionalDims q_segments, kv_segments, key_ranges, row_ranges, block_indices;
+  int64_t block_q = 0, block_k = 0;
+};
+
+// Appends the index-mask operands of a shape-only call in decode.h's order (after the lengths)
+// and sets their flags and block sizes in `attrs`, so that the decoded shape carries them.
+void AddIndexMasks(ShapeOnlyBuffers& b, dmattn::Buffers& args, const IndexMaskDims& m,
+                   dmattn::AttentionAttrs* attrs) {
+  if (m.q_segments.has_value() != m.kv_segments.has_value()) {
+    throw std::invalid_argument("q_segments and kv_segments go together");
+  }
+  attrs->has_segments = m.q_segments.has_value();
+  if (attrs->has_segments) {
+    args.push_back(b.Add(*m.q_segments, XLA_FFI_DataType_S32));
+    args.push_back(b.Add(*m.kv_segments, XLA_FFI_DataType_S32));
+  }
+  // A pair of ranges has one shape: one shape-only buffer stands for its start and its end.
+  attrs->has_key_ranges = m.key_ranges.has_value();
+  if (attrs->has_key_ranges) {
+    args.insert(args.end(), 2, b.Add(*m.key_ranges, XLA_FFI_DataType_S32));
+  }
+  attrs->has_row_ranges = m.row_ranges.has_value();
+  if (attrs->has_row_ranges) {
+    args.insert(args.end(), 2, b.Add(*m.row_ranges, XLA_FFI_DataType_S32));
+  }
+  attrs->has_block_indices = m.block_indices.has_value();
+  if (attrs->has_block_indices) {
+    args.push_back(b.Add(*m.block_indices, XLA_FFI_DataType_S32));
+    attrs->block_q = m.block_q;
+    attrs->block_k = m.block_k;
+  }
 }
 
-// Bytes of the CUDA backward's workspace 1 (the segment id spans, the key-block order, a dbias
-// accumulator when one is needed) for a call with these shapes; `bias` and `dbias` empty for a
-// call without a bias.
+// The attributes of a shape-only call: no window, no softcap; optional operands absent until
+// their flags are set.
+dmattn::AttentionAttrs ShapeOnlyAttrs() {
+  dmattn::AttentionAttrs attrs{};
+  attrs.scale = 1.f;
+  attrs.window_left = -1;
+  attrs.window_right = -1;
+  return attrs;
+}
+
+// Bytes of the CUDA backward's workspace 1 (the index masks' summaries, the key-block order, a
+// dbias accumulator when one is needed) for a call with these shapes; `bias` and `dbias` empty
+// for a call without a bias.
 int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
                                    std::vector<int64_t> dbias, OptionalDims q_segments,
-                                   OptionalDims kv_segments) {
+                                   OptionalDims kv_segments, OptionalDims key_ranges,
+                                   OptionalDims row_ranges, OptionalDims block_indices,
+                                   int64_t block_q, int64_t block_k) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
+                                  block_indices, block_q, block_k};
   ShapeOnlyBuffers b;
-  const bool has_bias = !bias.empty();
+  dmattn::AttentionAttrs attrs = ShapeOnlyAttrs();
+  attrs.has_bias = !bias.empty();
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16),
              lseb = b.AddLse(q), dkb = b.Add(dk, XLA_FFI_DataType_BF16);
   dmattn::Buffers args = {qb, kb, kb, qb, qb, lseb, lseb};
   dmattn::Buffers rets = {qb, dkb, dkb};
-  if (has_bias) {
+  if (attrs.has_bias) {
     args.push_back(b.Add(bias, XLA_FFI_DataType_BF16));
     rets.push_back(b.Add(dbias, XLA_FFI_DataType_BF16));
   }
-  const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
+  AddIndexMasks(b, args, index_masks, &attrs);
   rets.push_back(lseb);
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, {}, false, has_bias, false, has_segments};
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
   ThrowOnError(dmattn::DecodeBackward(args, rets, attrs, &shape, &ptrs));
   return dmattn::cuda::BackwardWorkspaceBytes(shape);
 }
 
-// The shape a CUDA forward call with these q and k (and mask, bias and segment id) shapes
+// The shape a CUDA forward call with these q and k (and mask, bias and index-mask) shapes
 // decodes to.
 dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
                                     const OptionalDims& mask = {}, const OptionalDims& bias = {},
-                                    const OptionalDims& q_segments = {},
-                                    const OptionalDims& kv_segments = {}) {
+                                    const IndexMaskDims& index_masks = {}) {
   ShapeOnlyBuffers b;
+  dmattn::AttentionAttrs attrs = ShapeOnlyAttrs();
+  attrs.has_mask = mask.has_value();
+  attrs.has_bias = bias.has_value();
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16);
   dmattn::Buffers args = {qb, kb, kb};
   if (mask) args.push_back(b.Add(*mask, XLA_FFI_DataType_PRED));
   if (bias) args.push_back(b.Add(*bias, XLA_FFI_DataType_BF16));
-  const bool has_segments = AddSegments(b, args, q_segments, kv_segments);
+  AddIndexMasks(b, args, index_masks, &attrs);
   const dmattn::Buffers rets = {qb, b.AddLse(q)};
-  dmattn::AttentionAttrs attrs{1.f, 0.f, 0, -1, -1, {}, mask.has_value(), bias.has_value(), false,
-                               has_segments};
   dmattn::AttentionShape shape;
   dmattn::ForwardArgs ptrs;
   ThrowOnError(dmattn::DecodeForward(args, rets, attrs, &shape, &ptrs));
@@ -166,13 +210,17 @@ dmattn::AttentionShape ForwardShape(const std::vector<int64_t>& q, const std::ve
 }
 
 // Key splits of the CUDA forward on the current device, and the bytes of its workspace 0 (the
-// segment id spans, the query-block order and the splits' partial results).
+// index masks' summaries, the query-block order and the splits' partial results).
 int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
   return dmattn::cuda::ForwardSplits(ForwardShape(q, k));
 }
 int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
-                                  OptionalDims q_segments, OptionalDims kv_segments) {
-  return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k, {}, {}, q_segments, kv_segments));
+                                  OptionalDims q_segments, OptionalDims kv_segments,
+                                  OptionalDims key_ranges, OptionalDims row_ranges,
+                                  OptionalDims block_indices, int64_t block_q, int64_t block_k) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
+                                  block_indices, block_q, block_k};
+  return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k, {}, {}, index_masks));
 }
 
 // The forward kernel a CUDA call with these shapes runs on the current device.
@@ -201,16 +249,22 @@ NB_MODULE(_dmattn, m) {
         "Handler capsules by platform: {platform: {target name: capsule}}.");
   m.def("build_info", &BuildInfo, "Facts about the compiled kernels.");
 #if defined(DMATTN_WITH_CUDA)
+  // The index-mask operands by their dims (None: absent): q_segments and kv_segments,
+  // key_ranges (key_start's), row_ranges (row_start's), block_indices with block_q and block_k.
   m.def("cuda_backward_workspace_bytes", &CudaBackwardWorkspaceBytes, "q"_a, "k"_a, "dk"_a,
         "bias"_a, "dbias"_a, "q_segments"_a.none() = nb::none(),
-        "kv_segments"_a.none() = nb::none(),
-        "Bytes of the CUDA backward's workspace 1 (segment id spans, key-block order, dbias "
+        "kv_segments"_a.none() = nb::none(), "key_ranges"_a.none() = nb::none(),
+        "row_ranges"_a.none() = nb::none(), "block_indices"_a.none() = nb::none(),
+        "block_q"_a = 0, "block_k"_a = 0,
+        "Bytes of the CUDA backward's workspace 1 (index-mask summaries, key-block order, dbias "
         "accumulator).");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
         "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
-        "Bytes of the CUDA forward's workspace (segment id spans, query-block order, split-KV "
+        "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
+        "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
+        "Bytes of the CUDA forward's workspace (index-mask summaries, query-block order, split-KV "
         "partials).");
   m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "mask"_a.none(),
         "bias"_a.none(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,7 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
     workspaces = None
     if platform == "cuda":
         extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
-        workspaces = _cuda_forward_workspaces(opts)
+        workspaces = _cuda_forward_workspaces(params, opts)
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
 
@@ -202,7 +203,7 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     if platform == "cuda":
         extras = _with_mask_map(params, opts, extras, q.shape[-3], k.shape[-3])
         workspaces.append((q.shape, np.float32))  # dq accumulator
-        extra = _cuda_backward_workspaces(opts, num_grads=len(grads))
+        extra = _cuda_backward_workspaces(params, opts)
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
                  q.ndim - 3, opts.ffi_attributes(params), extra)
     return outs[:len(grads)]
@@ -264,24 +265,36 @@ def call_sum_listed_keys(grad, slots, spans):
 
 
 # CUDA workspaces sized by the kernels' own rules (the extension decodes the merged shapes). The
-# slots are fixed (forward: segment id spans, query-block order and split-KV partials; backward:
-# dq accumulator, then segment id spans, key-block order and dbias accumulator), so an unused one
-# still takes a single element.
+# slots are fixed (forward: index-mask summaries, query-block order and split-KV partials;
+# backward: dq accumulator, then index-mask summaries, key-block order and dbias accumulator), so an
+# unused one still takes a single element.
 
 
-def _segment_shapes(opts, arg_shapes, first_extra: int) -> tuple:
-    """The merged shapes of the segment id operands (None, None without them); the optional
-    operands start at ``arg_shapes[first_extra]``."""
-    if not opts.has_segments:
-        return None, None
-    at = first_extra + int(opts.has_mask) + int(opts.has_bias) + 2 * int(opts.has_seqlens)
-    return arg_shapes[at], arg_shapes[at + 1]
+def _index_mask_shapes(params: AttentionParams, opts, extra_shapes: Sequence[tuple[int, ...]]
+                       ) -> dict[str, Any]:
+    """The extension's workspace-size keywords for the index masks of a CUDA call: the merged
+    shapes of ``q_segments``, ``kv_segments``, ``key_ranges`` (key_start's ``[*B, H|Hk|1, 1,
+    Lk]``), ``row_ranges`` (row_start's ``[*B, H|Hk|1, Lq, 1]``) and ``block_indices``
+    (``[*B, H|Hk|1, nQB, K]``, with ``block_q`` and ``block_k``), None where absent.
+
+    ``extra_shapes``: the shapes of the call's optional operands (after q, k, v, and for the
+    backward out, dout, lse, dlse), the mask's map and bits last where it has a mask."""
+    extra_shapes = list(extra_shapes)
+    if opts.has_mask:
+        del extra_shapes[-2:]  # the mask map and bits (_with_mask_map) follow every operand
+    (_, _, _, _, q_segments, kv_segments, key_start, _, row_start, _, block_indices, _,
+     _) = opts.split(extra_shapes)
+    shapes = dict(q_segments=q_segments, kv_segments=kv_segments, key_ranges=key_start,
+                  row_ranges=row_start, block_indices=block_indices)
+    if block_indices is not None:
+        shapes.update(block_q=params.block_q, block_k=params.block_k)
+    return shapes
 
 
-def _cuda_forward_workspaces(opts):
+def _cuda_forward_workspaces(params: AttentionParams, opts):
     def workspaces(arg_shapes, result_shapes):
-        n = _extension().cuda_forward_workspace_bytes(arg_shapes[0], arg_shapes[1],
-                                                      *_segment_shapes(opts, arg_shapes, 3))
+        n = _extension().cuda_forward_workspace_bytes(
+            arg_shapes[0], arg_shapes[1], **_index_mask_shapes(params, opts, arg_shapes[3:]))
         return [((max(n, 1),), np.uint8)]
 
     return workspaces
@@ -314,15 +327,15 @@ def cuda_set_forward_kernel(name: str) -> None:
     _extension().cuda_set_forward_kernel(name)
 
 
-def _cuda_backward_workspaces(opts, num_grads: int):
+def _cuda_backward_workspaces(params: AttentionParams, opts):
     def workspaces(arg_shapes, result_shapes):
         q, k, dk = arg_shapes[0], arg_shapes[1], result_shapes[1]
         bias, dbias = [], []
         if opts.has_bias:
             bias = arg_shapes[7 + int(opts.has_mask)]
             dbias = result_shapes[3]
-        n = _extension().cuda_backward_workspace_bytes(q, k, dk, bias, dbias,
-                                                       *_segment_shapes(opts, arg_shapes, 7))
+        n = _extension().cuda_backward_workspace_bytes(
+            q, k, dk, bias, dbias, **_index_mask_shapes(params, opts, arg_shapes[7:]))
         return [((max(n, 1),), np.uint8)]
 
     return workspaces

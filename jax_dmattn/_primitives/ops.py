@@ -25,10 +25,10 @@ per example over the vmap dims and summed over the API broadcast dims, so dk/dv 
 batch dims and dbias has the bias's shape with full vmap dims.
 
 Lowering picks the C++ kernels (``cpu`` platform), the CUDA kernels (``cuda`` platform, float16 /
-bfloat16 with a compiled head dim) or, for ``implementation=None`` where no kernel fits, the
-pure-JAX reference (also for calls with key or row ranges or block indices on a GPU: the CUDA
-kernels do not read them yet). The kernel calls are ``sharding``'s, partitioned so that sharded
-inputs stay sharded; sharding builds on this module, so it hands them over
+bfloat16 with a compiled head dim; both read every mask form) or, for ``implementation=None``
+where no kernel fits, the pure-JAX reference (also for calls with a gate or a softmax threshold on
+a GPU: the CUDA kernels do not take them yet). The kernel calls are ``sharding``'s, partitioned
+so that sharded inputs stay sharded; sharding builds on this module, so it hands them over
 (:func:`register_lowerings`) when it is imported, which the package's ``__init__`` does.
 """
 
@@ -262,14 +262,13 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
-                has_key_ranges: bool = False, has_row_ranges: bool = False,
-                has_block_indices: bool = False, has_gate: bool = False) -> bool:
+                has_gate: bool = False) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or with key or row ranges, block indices, a gate or a
-    softmax threshold, which the CUDA kernels do not read yet, alone or beside a mask and each
-    other, or a window table of too many kv heads: the first of them missing is the reason),
-    implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
-    reference)."""
+    without a kernel for the call (or with a gate or a softmax threshold, which the CUDA kernels
+    do not take yet, or a window table of too many kv heads: the first of them missing is the
+    reason), implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
+    reference). Every mask form (a bool mask, key ranges, row ranges, block indices and their
+    tuples) and segment ids run on the CUDA kernels."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -280,12 +279,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
     if platform != "cuda":
         return False
     missing = _missing_cuda_kernel(dtype, head_dim)
-    if missing is None and has_key_ranges:
-        missing = ("the CUDA kernels do not read key ranges (masks.KeyRanges) yet",
-                   "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
-    if missing is None and has_row_ranges:
-        missing = ("the CUDA kernels do not read row ranges (masks.RowRanges) yet",
-                   "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
     if missing is None and params.window_sizes is not None:
         most = _ffi.build_info()["cuda_window_heads"]
         if len(params.window_sizes) > most:
@@ -293,9 +286,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                        f"heads, not {len(params.window_sizes)}",
                        "A table of one window without sink for every kv head runs on the CUDA "
                        "kernels at any head count.")
-    if missing is None and has_block_indices:
-        missing = ("the CUDA kernels do not read block indices (masks.BlockIndices) yet",
-                   "Pass the equivalent dense bool mask for the CUDA kernels (issue 24).")
     if missing is None and has_gate:
         missing = ("the CUDA kernels do not take a gate (gated attention, gate=) yet",
                    "Gated attention runs on the CPU kernels and the reference for now "
@@ -342,8 +332,7 @@ def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
 def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
-        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_key_ranges,
-                       opts.has_row_ranges, opts.has_block_indices, opts.has_gate):
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_gate):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

@@ -137,6 +137,12 @@ struct Case {
   // Per-kv-head windows with sinks (AttentionShape::head_windows): Hk rows (sink, left, right);
   // empty: none.
   std::vector<std::array<int64_t, 3>> head_windows;
+  // The O(L) mask forms (AttentionShape::key_ranges, row_ranges, block_indices), each over its
+  // spec's batch dims and heads (rows / cols unused; see Form), values drawn by DrawRanges and
+  // DrawBlockIndices; block indices list block_slots key blocks of block_k keys per query block
+  // of block_q rows.
+  OperandSpec key_ranges, row_ranges, block_indices;
+  int64_t block_q = 64, block_k = 64, block_slots = 4;
 };
 
 int64_t Prod(const std::vector<int64_t>& v) {
@@ -170,23 +176,34 @@ struct Problem {
   std::vector<float> dlse;
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> q_seg, kv_seg;  // [segment rows, Lq] / [segment rows, Lk]
+  std::vector<int32_t> key_start, key_end, row_start, row_end, block_indices;  // the forms
   // The case's table, flat; s.head_windows points into it (shared: copies keep it alive).
   std::shared_ptr<std::vector<int64_t>> head_windows;
 };
 
-BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<int64_t>* bdims,
-                             int64_t* elems) {
+// An operand [*bdims, sp.heads, rows, cols], contiguous, with strides 0 on its size-1 dims.
+BroadcastOperand Layout(const OperandSpec& sp, const Case& c, const std::vector<int64_t>& bdims,
+                        int64_t rows, int64_t cols) {
   BroadcastOperand op;
-  if (!sp.present) return op;
-  *bdims = sp.batch.empty() ? c.batch : sp.batch;
-  const int64_t rows = sp.rows ? c.Lq : 1, cols = sp.cols ? c.Lk : 1;
   op.present = true;
-  op.batch = Strides(*bdims, sp.heads * rows * cols);
+  op.batch = Strides(bdims, sp.heads * rows * cols);
   op.heads_per_entry = c.H / sp.heads;
   op.head_stride = rows * cols;
   op.row_stride = rows == 1 ? 0 : cols;
   op.col_stride = cols == 1 ? 0 : 1;
-  op.num_elements = Prod(*bdims) * sp.heads * rows * cols;
+  op.num_elements = Prod(bdims) * sp.heads * rows * cols;
+  return op;
+}
+
+std::vector<int64_t> OperandBatch(const OperandSpec& sp, const Case& c) {
+  return sp.batch.empty() ? c.batch : sp.batch;
+}
+
+BroadcastOperand MakeOperand(const OperandSpec& sp, const Case& c, std::vector<int64_t>* bdims,
+                             int64_t* elems) {
+  if (!sp.present) return BroadcastOperand{};
+  *bdims = OperandBatch(sp, c);
+  const BroadcastOperand op = Layout(sp, c, *bdims, sp.rows ? c.Lq : 1, sp.cols ? c.Lk : 1);
   *elems = op.num_elements;
   return op;
 }
@@ -232,6 +249,110 @@ void MakeSegments(const Case& c, std::mt19937_64& rng, Problem* P) {
     }
     P->q_seg.insert(P->q_seg.end(), q.begin(), q.end());
     P->kv_seg.insert(P->kv_seg.end(), k.begin(), k.end());
+  }
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Ranges [start, end) into `span` positions (query rows for key ranges, keys for row ranges) for
+// `entries` rows of `n` positions, in runs of positions that share a kind: a band about the
+// scaled diagonal (tiles far from it hidden, those on it partly) or a random range, both shifted
+// by a few positions at each position; all of the span from outside it or from an int32 limit
+// (the kernels must not overflow); empty ones (start == end, start > end, wholly before 0 or
+// past the span). Then positions [span / 3, span / 2) (from a span of 8) are cut out of every
+// range: whole tiles of rows (key ranges) or keys (row ranges) take part in no score.
+void DrawRanges(std::mt19937_64& rng, int64_t entries, int64_t n, int64_t span,
+                std::vector<int32_t>* start, std::vector<int32_t>* end) {
+  auto draw = [&](int64_t a, int64_t b) { return a + static_cast<int64_t>(rng() % (b - a + 1)); };
+  constexpr int64_t kLow = INT32_MIN, kHigh = INT32_MAX;
+  const int64_t cut0 = span / 3, cut1 = span >= 8 ? span / 2 : cut0;
+  for (int64_t e = 0; e < entries; ++e) {
+    for (int64_t p = 0; p < n;) {
+      const int64_t run = std::min(n - p, draw(1, rng() % 2 ? 8 : std::max<int64_t>(1, n / 5)));
+      const int64_t kind = draw(0, 9), w0 = draw(0, span / 3 + 1), w1 = draw(1, span / 3 + 1);
+      const int64_t a = draw(-3, span), b = draw(a, span + 3);
+      const bool low = rng() % 2;
+      auto range = [&](int64_t centre) -> std::pair<int64_t, int64_t> {
+        const int64_t shift = draw(-2, 2);
+        switch (kind) {
+          case 0: case 1: case 2: case 3: return {centre - w0 + shift, centre + w1 + shift};
+          case 4: case 5: return {a + shift, b + shift};
+          case 6: return {-1 - w0, span + w1};
+          case 7: return low ? std::make_pair(kLow, b) : std::make_pair(a, kHigh);
+          case 8: return low ? std::make_pair(a, a) : std::make_pair(b, a - 1);
+          default:
+            return low ? std::make_pair(-w0 - w1, -w0) : std::make_pair(span + w0, span + w1 + w0);
+        }
+      };
+      for (int64_t r = 0; r < run; ++r, ++p) {
+        auto [lo, hi] = range(p * span / n);
+        if (std::max(lo, cut0) < std::min(hi, cut1)) {  // keep the larger side of the cut
+          if (cut0 - lo >= hi - cut1) {
+            hi = cut0;
+          } else {
+            lo = cut1;
+          }
+        }
+        start->push_back(static_cast<int32_t>(lo));
+        end->push_back(static_cast<int32_t>(hi));
+      }
+    }
+  }
+}
+
+// Block indices [entries, nqb, slots] for nkb key blocks: per query block, distinct blocks in a
+// random order (-1 past them), then slot by slot some made -1, a repeat of an earlier slot of
+// the row, or a value naming no block (nkb, -2, the int32 limits). No query block lists key
+// block nkb / 3 (from 3 blocks) and every fifth query block from the fourth lists nothing, so
+// that some keys and some rows see nothing.
+std::vector<int32_t> DrawBlockIndices(std::mt19937_64& rng, int64_t entries, int64_t nqb,
+                                      int64_t slots, int64_t nkb) {
+  std::vector<int32_t> blocks;
+  for (int64_t m = 0; m < nkb; ++m) {
+    if (nkb < 3 || m != nkb / 3) blocks.push_back(static_cast<int32_t>(m));
+  }
+  const int32_t none[] = {static_cast<int32_t>(nkb), -2, INT32_MIN, INT32_MAX};
+  std::vector<int32_t> out;
+  for (int64_t row = 0; row < entries * nqb; ++row) {
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    const size_t first = out.size();
+    const bool empty = nqb >= 4 && row % nqb % 5 == 3;
+    for (int64_t k = 0; k < slots; ++k) {
+      int32_t x = k < static_cast<int64_t>(blocks.size()) ? blocks[k] : -1;
+      const uint64_t u = rng() % 8;
+      if (u == 0) x = -1;
+      if (u == 1 && k > 0) x = out[first + rng() % k];
+      if (u == 2) x = none[rng() % 4];
+      out.push_back(empty ? -1 : x);
+    }
+  }
+  return out;
+}
+
+// The O(L) mask forms, laid out as DecodeRanges / DecodeBlockIndices (csrc/ffi/decode.cc) lay
+// out the arrays key_start / key_end [*, 1, Lk], row_start / row_end [*, Lq, 1] and block
+// indices [*, ceil(Lq / block_q), K].
+void MakeForms(const Case& c, std::mt19937_64& rng, Problem* P) {
+  AttentionShape& s = P->s;
+  if (c.key_ranges.present) {
+    s.key_ranges = Layout(c.key_ranges, c, OperandBatch(c.key_ranges, c), 1, c.Lk);
+    DrawRanges(rng, s.key_ranges.num_elements / c.Lk, c.Lk, c.Lq, &P->key_start, &P->key_end);
+  }
+  if (c.row_ranges.present) {
+    s.row_ranges = Layout(c.row_ranges, c, OperandBatch(c.row_ranges, c), c.Lq, 1);
+    DrawRanges(rng, s.row_ranges.num_elements / c.Lq, c.Lq, c.Lk, &P->row_start, &P->row_end);
+  }
+  if (c.block_indices.present) {
+    const int64_t nqb = CeilDiv(c.Lq, c.block_q);
+    BroadcastOperand& op = s.block_indices;
+    op = Layout(c.block_indices, c, OperandBatch(c.block_indices, c), nqb, c.block_slots);
+    op.row_stride = c.block_slots;  // as the FFI's, also where nqb or K is 1
+    op.col_stride = 1;
+    s.block_q = c.block_q;
+    s.block_k = c.block_k;
+    s.block_slots = c.block_slots;
+    P->block_indices = DrawBlockIndices(rng, op.num_elements / (nqb * c.block_slots), nqb,
+                                        c.block_slots, CeilDiv(c.Lk, c.block_k));
   }
 }
 
@@ -342,6 +463,7 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
     P.kv_lens = c.kv_lens;
   }
   if (c.seg_docs > 0) MakeSegments(c, rng, &P);
+  MakeForms(c, rng, &P);  // drawn last: the other cases keep their inputs
   return P;
 }
 
@@ -392,6 +514,12 @@ Ref Reference(const Problem& P) {
     const int64_t seg_row = s.has_segments ? s.segments_batch.offset(s.batch, b) : 0;
     const int32_t* q_seg = s.has_segments ? P.q_seg.data() + seg_row * Lq : nullptr;
     const int32_t* kv_seg = s.has_segments ? P.kv_seg.data() + seg_row * Lk : nullptr;
+    // the forms' arrays of (b, h): position j of the key ranges, i of the row ranges
+    const int64_t kro = s.key_ranges.present ? s.key_ranges.offset(s.batch, b, h) : 0;
+    const int64_t rro = s.row_ranges.present ? s.row_ranges.offset(s.batch, b, h) : 0;
+    const int32_t* blocks = s.block_indices.present
+                                ? P.block_indices.data() + s.block_indices.offset(s.batch, b, h)
+                                : nullptr;
     std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0);
     std::vector<std::pair<int64_t, double>> db_l;
     std::vector<double> sc(Lk), p(Lk), tt(Lk), dp(Lk);
@@ -400,6 +528,7 @@ Ref Reference(const Problem& P) {
       const double* qi = &qd[s.q_offset(b, h) + i * s.q_row_stride()];
       const double* doi = &dod[s.q_offset(b, h) + i * s.q_row_stride()];
       double m = -INFINITY;
+      const int32_t* listed = blocks ? blocks + (i / s.block_q) * s.block_slots : nullptr;
       for (int64_t j = 0; j < Lk; ++j) {
         bool v = i < qlen && j < kvlen;
         const int64_t d = j - i;
@@ -414,6 +543,11 @@ Ref Reference(const Problem& P) {
         if (v && s.mask.present)
           v = P.mask[mo + i * s.mask.row_stride + j * s.mask.col_stride] != 0;
         if (v && q_seg != nullptr) v = q_seg[i] == kv_seg[j];
+        if (v && s.key_ranges.present) v = P.key_start[kro + j] <= i && i < P.key_end[kro + j];
+        if (v && s.row_ranges.present) v = P.row_start[rro + i] <= j && j < P.row_end[rro + i];
+        if (v && listed != nullptr) {  // entries naming no block never equal j's block
+          v = std::find(listed, listed + s.block_slots, j / s.block_k) != listed + s.block_slots;
+        }
         vis[j] = v;
         if (!v) continue;
         const double* kj = &kd[kvo + j * s.kv_row_stride()];
@@ -570,6 +704,7 @@ struct Buffers {
   float* dlse;
   int32_t *ql, *kl;
   int32_t *qs, *ks;  // segment ids
+  int32_t *key_start, *key_end, *row_start, *row_end, *block_indices;  // the O(L) mask forms
 };
 
 struct FwdOut {
@@ -603,7 +738,7 @@ float MeanMs(Launch launch, int reps) {
 }
 
 // `workspace`: give the forward its workspace (without it, it runs unsplit and in plain order;
-// segment ids still get their spans).
+// index masks still get their summaries).
 FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float* ms, int reps,
                         bool workspace = true) {
   const AttentionShape& s = P.s;
@@ -622,10 +757,15 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.kv_lens = in.kl;
   fa.q_segments = in.qs;
   fa.kv_segments = in.ks;
+  fa.key_start = in.key_start;
+  fa.key_end = in.key_end;
+  fa.row_start = in.row_start;
+  fa.row_end = in.row_end;
+  fa.block_indices = in.block_indices;
   fa.out = f.out;
   fa.lse = f.lse;
   const int64_t workspace_bytes = workspace ? dmattn::cuda::ForwardWorkspaceBytes(s)
-                                            : dmattn::cuda::SegmentSpanBytes(s);
+                                            : dmattn::cuda::IndexMaskBytes(s);
   fa.workspace[0] = workspace_bytes > 0 ? Poisoned(workspace_bytes) : nullptr;
   fa.workspace_bytes[0] = workspace_bytes;
   CK(dmattn::cuda::Forward(s, fa, 0));
@@ -668,6 +808,11 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.kv_lens = in.kl;
   ba.q_segments = in.qs;
   ba.kv_segments = in.ks;
+  ba.key_start = in.key_start;
+  ba.key_end = in.key_end;
+  ba.row_start = in.row_start;
+  ba.row_end = in.row_end;
+  ba.block_indices = in.block_indices;
   ba.dq = dq;
   ba.dk = dk;
   ba.dv = dv;
@@ -744,6 +889,11 @@ Buffers UploadInputs(const Problem& P) {
   b.kl = Upload(P.kv_lens);
   b.qs = Upload(P.q_seg);
   b.ks = Upload(P.kv_seg);
+  b.key_start = Upload(P.key_start);
+  b.key_end = Upload(P.key_end);
+  b.row_start = Upload(P.row_start);
+  b.row_end = Upload(P.row_end);
+  b.block_indices = Upload(P.block_indices);
   return b;
 }
 void FreeInputs(Buffers& b) {
@@ -753,7 +903,10 @@ void FreeInputs(Buffers& b) {
                   static_cast<void*>(b.mask_bits),
                   static_cast<void*>(b.dlse),
                   static_cast<void*>(b.ql), static_cast<void*>(b.kl),
-                  static_cast<void*>(b.qs), static_cast<void*>(b.ks)})
+                  static_cast<void*>(b.qs), static_cast<void*>(b.ks),
+                  static_cast<void*>(b.key_start), static_cast<void*>(b.key_end),
+                  static_cast<void*>(b.row_start), static_cast<void*>(b.row_end),
+                  static_cast<void*>(b.block_indices)})
     if (p) CK(cudaFree(p));
 }
 
@@ -765,6 +918,11 @@ OperandSpec Op(std::vector<int64_t> batch, int64_t heads, bool rows, bool cols) 
   o.rows = rows;
   o.cols = cols;
   return o;
+}
+
+// An O(L) mask form over `batch` (full or 1 per dim) and `heads` (H, Hk or 1).
+OperandSpec Form(std::vector<int64_t> batch, int64_t heads) {
+  return Op(std::move(batch), heads, false, false);
 }
 
 std::vector<Case> AllCases() {
@@ -1076,6 +1234,95 @@ std::vector<Case> AllCases() {
     c.name = "windows_q300_k300_d128_sinks_segments_mask_det"; c.deterministic = true;
     add(c);
   }
+  // the O(L) mask forms: each alone, with a mask, a bias and causality, GQA, lengths, segment ids
+  // or a window table; the split forward (the [n] after a name) and large unsplit grids; D 64,
+  // 128 and 256; the deterministic backward
+  {
+    Case c; c.name = "key_ranges_q300_k520_d128"; c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 300;
+    c.Lk = 520; c.D = 128; c.key_ranges = Form({2}, 4); add(c);
+    c = Case(); c.name = "key_ranges_causal_q333_k400_d64_mask_bias"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 333; c.Lk = 400; c.D = 64; c.causal = true; c.key_ranges = Form({1}, 1);
+    c.mask = Op({2}, 2, true, true); c.mask_holes = true; c.bias = Op({1}, 2, true, true);
+    c.dlse = true; add(c);
+    c = Case(); c.name = "key_ranges_gqa8_2_q190_k230_d128_det"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 190; c.Lk = 230; c.D = 128; c.key_ranges = Form({2}, 2);
+    c.deterministic = true; add(c);
+    c = Case(); c.name = "key_ranges_seqlens_q257_k390_d256_perkey_bias"; c.batch = {3};
+    c.H = 2; c.Hk = 2; c.Lq = 257; c.Lk = 390; c.D = 256; c.key_ranges = Form({3}, 1);
+    c.seqlens = true; c.q_lens = {257, 100, 0}; c.kv_lens = {390, 129, 50};
+    c.bias = Op({3}, 2, false, true); add(c);
+    c = Case(); c.name = "key_ranges_segments_causal_q700_k700_d128"; c.H = 2; c.Hk = 2;
+    c.Lq = 700; c.Lk = 700; c.D = 128; c.causal = true; c.seg_docs = 4; c.seg_even = true;
+    c.key_ranges = Form({1}, 2); add(c);
+    c = Case(); c.name = "key_ranges_split_q3_k4000_d128_mask"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 3; c.Lk = 4000; c.D = 128; c.key_ranges = Form({2}, 8);
+    c.mask = Op({2}, 2, true, true); add(c);
+    c = Case(); c.name = "key_ranges_large_q1024_d128_causal"; c.H = 16; c.Hk = 4; c.Lq = 1024;
+    c.Lk = 1024; c.D = 128; c.causal = true; c.key_ranges = Form({1}, 4); add(c);
+  }
+  {
+    Case c; c.name = "row_ranges_q300_k520_d64"; c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 300;
+    c.Lk = 520; c.D = 64; c.row_ranges = Form({2}, 4); add(c);
+    c = Case(); c.name = "row_ranges_causal_q400_k300_d128_mask_bias"; c.H = 4; c.Hk = 4;
+    c.Lq = 400; c.Lk = 300; c.D = 128; c.causal = true; c.row_ranges = Form({1}, 1);
+    c.mask = Op({1}, 4, true, true); c.bias = Op({1}, 4, true, true); add(c);
+    c = Case(); c.name = "row_ranges_gqa8_2_q190_k230_d256_det"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 190; c.Lk = 230; c.D = 256; c.row_ranges = Form({1}, 2);
+    c.deterministic = true; add(c);
+    c = Case(); c.name = "row_ranges_seqlens_q300_k257_d128_softcap"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 300; c.Lk = 257; c.D = 128; c.row_ranges = Form({2}, 1); c.seqlens = true;
+    c.q_lens = {300, 111}; c.kv_lens = {200, 257}; c.softcap = 20.f; c.dlse = true; add(c);
+    c = Case(); c.name = "row_ranges_split_q2_k4000_d256_bias"; c.H = 4; c.Hk = 4; c.Lq = 2;
+    c.Lk = 4000; c.D = 256; c.row_ranges = Form({1}, 4); c.bias = Op({1}, 4, true, true);
+    add(c);
+    c = Case(); c.name = "row_ranges_large_q1024_d64_window"; c.H = 32; c.Hk = 8; c.Lq = 1024;
+    c.Lk = 1024; c.D = 64; c.window_left = 500; c.window_right = 40;
+    c.row_ranges = Form({1}, 32); add(c);
+  }
+  {
+    // block sizes of whole 64-row / 64-key tiles and others (48, 80, 16, 200)
+    Case c; c.name = "block_indices_q300_k520_d128_b64_64"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 300; c.Lk = 520; c.D = 128; c.block_indices = Form({2}, 4); c.block_slots = 4;
+    add(c);
+    c = Case(); c.name = "block_indices_causal_q333_k400_d64_b48_80_mask_bias"; c.H = 2;
+    c.Hk = 1; c.Lq = 333; c.Lk = 400; c.D = 64; c.causal = true; c.block_indices = Form({1}, 1);
+    c.block_q = 48; c.block_k = 80; c.block_slots = 3; c.mask = Op({1}, 2, true, true);
+    c.bias = Op({1}, 2, true, true); add(c);
+    c = Case(); c.name = "block_indices_gqa8_2_q300_k1000_d128_b128_200_det"; c.batch = {2};
+    c.H = 8; c.Hk = 2; c.Lq = 300; c.Lk = 1000; c.D = 128; c.block_indices = Form({2}, 2);
+    c.block_q = 128; c.block_k = 200; c.block_slots = 3; c.deterministic = true; add(c);
+    c = Case(); c.name = "block_indices_seqlens_q257_k390_d256_b16_16"; c.batch = {3}; c.H = 2;
+    c.Hk = 2; c.Lq = 257; c.Lk = 390; c.D = 256; c.block_indices = Form({3}, 2); c.block_q = 16;
+    c.block_k = 16; c.block_slots = 12; c.seqlens = true; c.q_lens = {257, 100, 0};
+    c.kv_lens = {390, 129, 50}; add(c);
+    c = Case(); c.name = "block_indices_windows_q1000_k1000_d128_b64_128_sinks_causal"; c.H = 8;
+    c.Hk = 4; c.Lq = 1000; c.Lk = 1000; c.D = 128; c.causal = true;
+    c.head_windows = {{64, 200, 0}, {0, 300, 0}, {130, 0, 0}, {2000, -1, -1}};
+    c.block_indices = Form({1}, 8); c.block_k = 128; c.block_slots = 4; add(c);
+    c = Case(); c.name = "block_indices_split_q1_k4000_d128_b16_256"; c.batch = {3}; c.H = 8;
+    c.Hk = 2; c.Lq = 1; c.Lk = 4000; c.D = 128; c.block_indices = Form({3}, 2); c.block_q = 16;
+    c.block_k = 256; c.block_slots = 6; add(c);
+    c = Case(); c.name = "block_indices_large_q1024_d128_b128_128"; c.H = 16; c.Hk = 4;
+    c.Lq = 1024; c.Lk = 1024; c.D = 128; c.block_indices = Form({1}, 16); c.block_q = 128;
+    c.block_k = 128; c.block_slots = 3; add(c);
+  }
+  {
+    // all three forms and-ed with each other and with the rest
+    Case c; c.name = "all_forms_q500_k700_d128_b80_48_gqa_mask_bias_causal_seqlens";
+    c.batch = {2}; c.H = 4; c.Hk = 2; c.Lq = 500; c.Lk = 700; c.D = 128; c.causal = true;
+    c.key_ranges = Form({2}, 2); c.row_ranges = Form({1}, 4); c.block_indices = Form({2}, 1);
+    c.block_q = 80; c.block_k = 48; c.block_slots = 12; c.mask = Op({2}, 2, true, true);
+    c.bias = Op({2}, 4, true, true); c.seqlens = true; c.q_lens = {500, 321};
+    c.kv_lens = {700, 650}; c.dlse = true; add(c);
+    c = Case(); c.name = "all_forms_q190_k230_d64_segments_det"; c.H = 2; c.Hk = 2; c.Lq = 190;
+    c.Lk = 230; c.D = 64; c.seg_docs = 3; c.key_ranges = Form({1}, 1);
+    c.row_ranges = Form({1}, 2); c.block_indices = Form({1}, 2); c.block_slots = 3;
+    c.deterministic = true; add(c);
+    c = Case(); c.name = "all_forms_split_q4_k3000_d256_b200_200"; c.batch = {2}; c.H = 4;
+    c.Hk = 1; c.Lq = 4; c.Lk = 3000; c.D = 256; c.key_ranges = Form({2}, 1);
+    c.row_ranges = Form({1}, 4); c.block_indices = Form({2}, 4); c.block_q = 200;
+    c.block_k = 200; c.block_slots = 6; add(c);
+  }
   return v;
 }
 
@@ -1178,6 +1425,20 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_windows_q260_k300_d128_sinks_segments"; c.batch = {2}; c.H = 4;
     c.Hk = 2; c.Lq = 260; c.Lk = 300; c.D = 128; c.causal = true; c.seg_docs = 3;
     c.bias = Op({2}, 4, true, true); c.head_windows = {{5, 30, 0}, {140, 10, 0}};
+    v.push_back(c);
+  }
+  {
+    // the O(L) mask forms: each, with a mask and bias, lengths, the dq kernel; all three at once
+    Case c; c.name = "quick_key_ranges_q17_k129_d64_mask_bias_causal"; c.H = 2; c.Hk = 1;
+    c.Lq = 17; c.Lk = 129; c.D = 64; c.causal = true; c.key_ranges = Form({1}, 1);
+    c.mask = Op({1}, 2, true, true); c.bias = Op({1}, 2, true, true); v.push_back(c);
+    c = Case(); c.name = "quick_row_ranges_q70_k33_d128_seqlens_det"; c.batch = {2}; c.H = 4;
+    c.Hk = 2; c.Lq = 70; c.Lk = 33; c.D = 128; c.row_ranges = Form({2}, 2); c.seqlens = true;
+    c.q_lens = {70, 41}; c.kv_lens = {33, 20}; c.deterministic = true; v.push_back(c);
+    c = Case(); c.name = "quick_block_indices_key_row_ranges_q130_k300_d128_b48_80";
+    c.batch = {2}; c.H = 2; c.Hk = 1; c.Lq = 130; c.Lk = 300; c.D = 128;
+    c.block_indices = Form({2}, 2); c.block_q = 48; c.block_k = 80; c.block_slots = 3;
+    c.key_ranges = Form({1}, 1); c.row_ranges = Form({2}, 2); c.bias = Op({2}, 2, true, true);
     v.push_back(c);
   }
   return v;

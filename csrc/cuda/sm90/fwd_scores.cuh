@@ -217,7 +217,7 @@ __device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const
 }
 
 // -inf where a key's segment id differs from its row's: blocks whose ids are not all one value
-// (kTileSegments, segments.cuh; rare in packed batches), ids read straight from memory. Rows and
+// (kTileIndexed, segments.cuh; rare in packed batches), ids read straight from memory. Rows and
 // keys past the ends read the last id; the bounds test hides them.
 template <typename Tr>
 __device__ __forceinline__ void hide_other_segments(float (&s)[Tr::BN / 2], const FwdParams& p,
@@ -293,7 +293,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
     }
   }
   if constexpr (Tr::kSegments) {
-    if (flags & detail::kTileSegments) hide_other_segments<Tr>(s, p, w, th, n);
+    if (flags & detail::kTileIndexed) hide_other_segments<Tr>(s, p, w, th, n);
   }
   hide_out_of_bounds<Tr>(s, p, w, th, n);
 }
