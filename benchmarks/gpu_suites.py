@@ -9,11 +9,14 @@ A fifth suite, `packed` (issue 24: sequence packing with segment ids), times 8 d
 tokens packed in one L16k row (D128 H16 causal) with ids, the same documents as a batch [8, 2k],
 and cuDNN / xla on the packed row with the equivalent dense mask; a sixth, `sinks` (issue 27),
 a per-kv-head table of sink 64 + window 1024 (L16k D128 H16 causal) against the same window
-without sinks and cuDNN with the equivalent dense mask. Their calls are timed back to back
-(DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps they report
-are within the per-call latency of a block after every call.
+without sinks and cuDNN with the equivalent dense mask; a seventh, `blocks` (issue 24), block
+indices (top-16 of the 64-key blocks for each 64-row query block, L16k D128 H16) against the
+same problem without a mask and with the equivalent dense bool mask. Their calls are timed
+back to back (DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps
+they report are within the per-call latency of a block after every call.
 
-    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,sinks,all}
+    python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,sinks,blocks,
+                                             all}
         [--quick] [--iters 20] [--out benchmarks/results]
 
 Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
@@ -44,16 +47,17 @@ from jax_dmattn._timing import attention_flops, back_to_back_ms, median_ms
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks")
+SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks", "blocks")
 # Suites timed back to back (DESIGN.md §5); the others keep the median of synchronised calls that
 # their recorded results were measured with.
-BACK_TO_BACK = ("packed", "sinks")
+BACK_TO_BACK = ("packed", "sinks", "blocks")
 BACK_TO_BACK_REPEATS = 3
-IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "jax_dmattn_window", "cudnn",
-         "xla")
+IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "jax_dmattn_window",
+         "jax_dmattn_dense", "cudnn", "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
          "jax_dmattn_batch": "jax_dmattn (as a batch)",
-         "jax_dmattn_window": "jax_dmattn (window, no sinks)", "cudnn": "cuDNN", "xla": "xla"}
+         "jax_dmattn_window": "jax_dmattn (window, no sinks)",
+         "jax_dmattn_dense": "jax_dmattn (no mask)", "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
 JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
@@ -532,6 +536,51 @@ def suite_sinks(bench: Bench) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+# Issue 24's acceptance bound for the blocks suite: forward and forward+backward over the same
+# problem without a mask.
+BLOCKS_MAX_VS_DENSE = 0.1
+BLOCKS_TOP = 16
+
+
+def suite_blocks(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Block indices (issue 24): each 64-row query block attends its BLOCKS_TOP of the 64-key
+    blocks, drawn at random (one list for all heads), D=128 H=16 L=16k non-causal, against the
+    same problem without a mask and with the equivalent dense bool mask [1, 1, L, L]."""
+    heads, head_dim, length, block = (2, 128, 1024, 64) if bench.quick else (16, 128, 16384, 64)
+    top = 4 if bench.quick else BLOCKS_TOP
+    inputs = qkv(1, length, heads, heads, head_dim)
+    blocks = length // block
+    order = jax.random.uniform(jax.random.PRNGKey(5), (blocks, blocks)).argsort(axis=1)
+    indices = order[:, :top].astype(jnp.int32)[None, None]  # [1, 1, nQB, top]
+    listed = jnp.zeros((blocks, blocks), bool).at[jnp.arange(blocks)[:, None], order[:, :top]].set(
+        True)
+    dense = jnp.repeat(jnp.repeat(listed, block, axis=0), block, axis=1)[None, None]
+    label = f"D={head_dim} L={kilo(length)} H={heads} top {top} of {blocks} blocks of {block}"
+    config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=False, block=block,
+                  top=top)
+    flops = 4.0 * heads * length * top * block * head_dim
+    rows = measure(bench, "blocks", label, config,
+                   {**inputs, "mask": jax_dmattn.masks.BlockIndices(indices, block, block),
+                    "bias": None}, False, flops,
+                   impls=("jax_dmattn", "jax_dmattn_dense", "jax_dmattn_mask"),
+                   overrides={"jax_dmattn_dense": {"mask": None},
+                              "jax_dmattn_mask": {"mask": dense}})
+    free(inputs, dense)
+    notes = [f"jax_dmattn: `flash_dmattn(..., mask=masks.BlockIndices(indices [1, 1, "
+             f"{blocks}, {top}], {block}, {block}))`; jax_dmattn (no mask): the same call "
+             f"without a mask; jax_dmattn (dense mask): the equivalent bool mask [1, 1, "
+             f"{kilo(length)}, {kilo(length)}]; no bias, non-causal; gradients wrt q, k, v",
+             "TF/s counts the listed pairs' FLOPs (4·H·pairs·D forward, 3.5× that "
+             "forward+backward), the same for every implementation"]
+    for row in rows:
+        ms = {impl: cell.get("ms") for impl, cell in row["results"].items()}
+        ours, dense_ms = ms.get("jax_dmattn"), ms.get("jax_dmattn_dense")
+        if ours and dense_ms:
+            notes.append(f"{row['pass']}: block indices / no mask = {ours / dense_ms:.3f}× "
+                         f"(issue 24: ≤ {BLOCKS_MAX_VS_DENSE}×)")
+    return rows, notes
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def fmt_ms(ms: float) -> str:
@@ -703,7 +752,8 @@ def main() -> None:
     say(f"device: {meta['device']} (driver {meta['driver']}); jax {meta['jax']}; "
         f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
     runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
-               "density": suite_density, "packed": suite_packed, "sinks": suite_sinks}
+               "density": suite_density, "packed": suite_packed, "sinks": suite_sinks,
+               "blocks": suite_blocks}
     results = {}
     for suite in SUITES if args.suite == "all" else (args.suite,):
         rows, notes = runners[suite](bench)
