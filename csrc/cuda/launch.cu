@@ -104,7 +104,7 @@ int64_t SplitBytes(const AttentionShape& s) {
 
 // Query blocks of the forward (of every batch and head).
 int64_t QueryBlocks(const AttentionShape& s) {
-  return s.batch_count() * s.num_heads * CeilDiv(s.seqlen_q, ForwardTile(s.head_dim).bm);
+  return s.batch_count() * s.num_heads * CeilDiv(s.seqlen_q, ForwardTileOf(s).bm);
 }
 
 // Key blocks of the backward (of every kv head and dk/dv class) on its narrowest tile.
@@ -296,7 +296,7 @@ bool HopperKernels() {
 // the best count's, among counts that shorten the longest split.
 int64_t ForwardSplits(const AttentionShape& s) {
   const int64_t ctas = QueryBlocks(s);
-  const int64_t key_blocks = CeilDiv(s.seqlen_k, ForwardTile(s.head_dim).bn);
+  const int64_t key_blocks = CeilDiv(s.seqlen_k, ForwardTileOf(s).bn);
   const int64_t slots = ForwardSlots();
   if (ctas == 0 || 5 * ctas >= 4 * slots || key_blocks < 2) return 1;
   auto filled = [&](int64_t n) {

@@ -26,6 +26,20 @@ constexpr FwdTile ForwardTile(int64_t head_dim) {
   }
 }
 
+// The forward tile of calls with block indices of blocks finer than ForwardTile(D)
+// (FinerBlocks): its tiles then each hold one 64 x 64 block, skipped or whole, instead of several
+// partly listed ones (the backward takes its 64-key tile likewise). Block indices of 64 x 64
+// blocks, top 16 of 256, L16k D128 H16 on an H100: forward 0.338x -> 0.151x of the dense
+// forward, forward + backward 0.223x -> 0.134x.
+constexpr FwdTile kBlockForwardTile{64, 64};
+inline bool FinerBlocks(const AttentionShape& s, int bm, int bn) {
+  return s.block_indices.present && (s.block_q < bm || s.block_k < bn);
+}
+inline FwdTile ForwardTileOf(const AttentionShape& s) {
+  const FwdTile tile = ForwardTile(s.head_dim);
+  return FinerBlocks(s, tile.bm, tile.bn) ? kBlockForwardTile : tile;
+}
+
 // Multiprocessors of the current device (132 when it cannot be queried).
 int MultiProcessors();
 

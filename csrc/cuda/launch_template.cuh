@@ -17,17 +17,19 @@
 
 namespace dmattn::cuda {
 
-// Forward tiles: ForwardTile(D) with 4 warps (each warp owns BM / 4 query rows).
+// Forward tiles: ForwardTile(D) with 4 warps (each warp owns BM / 4 query rows), and
+// kBlockForwardTile for block indices of blocks finer than that (ForwardTileOf).
 template <int D>
 struct FwdConfig {
   using Traits = FwdTraits<D, ForwardTile(D).bm, ForwardTile(D).bn, 4>;
+  using BlockTraits = FwdTraits<D, kBlockForwardTile.bm, kBlockForwardTile.bn, 4>;
 };
 
 // Backward tiles: BwdTraits<D, key block BN, query block BM, warps, warp grids of phases A / B /
 // C, Q/dO stages> (see bwd_kernel.cuh). `Narrow` (key block 64) replaces `Traits` when
-// UseNarrow says so, e.g. for grids of the wide tile that would leave SMs idle (few kv heads x
+// UseNarrow says so: for grids of the wide tile that would leave SMs idle (few kv heads x
 // batches, GQA with one kv head: one CTA per (key block, kv head) walks all the query heads of
-// its group). Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
+// its group), and for block indices of finer blocks (FinerBlocks). Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTiles {
   static_assert(Main::BN >= kSmallestBackwardKeyBlock &&
@@ -67,7 +69,8 @@ struct BwdTilesSm80 : BwdTiles<D, Main, NarrowTile> {
                     NarrowTile::kSmem + kSegmentSmem <= kSmemLimitSm80,
                 "backward tiles must fit sm_80, with the segment ids' prefix");
   static bool UseNarrow(const BwdLaunch& l) {
-    return BackwardCtas(l, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors());
+    return BackwardCtas(l, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors()) ||
+           FinerBlocks(l.p.s, Main::BM, Main::BN);
   }
 };
 template <int D>
@@ -101,7 +104,8 @@ struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>
                     Narrow::kSmem + kSegmentSmem <= kSmemLimitSm90,
                 "and segment ids");
   static bool UseNarrow(const BwdLaunch& l) {
-    return BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors());
+    return BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors()) ||
+           FinerBlocks(l.p.s, Traits::BM, Traits::BN);
   }
 };
 
@@ -170,7 +174,8 @@ cudaError_t OrderKeyBlocks(BwdParams& p, int64_t ctas, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Tr, typename T>
+// kFormsOnly: the call has O(L) mask forms (BlockTraits' tiles compile only their kernels).
+template <typename Tr, typename T, bool kFormsOnly = false>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
@@ -181,9 +186,10 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
-  const int index = IndexKindOf(p);
+  const int index = kFormsOnly ? kFormsAndIds : IndexKindOf(p);
   auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
-    return fwd_kernel<Tr, T, decltype(i)::value, decltype(table)::value>;
+    constexpr int kIndex = kFormsOnly ? kFormsAndIds : decltype(i)::value;
+    return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
   });
   const int prefix = index != kNoIndex ? kSegmentSmem : 0;  // the segment ids' tile
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
@@ -231,7 +237,13 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
       if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other
     }
   }
-  return RunForwardTiles<typename FwdConfig<D>::Traits, T>(params, stream);
+  using Config = FwdConfig<D>;
+  if constexpr (!std::is_same_v<typename Config::Traits, typename Config::BlockTraits>) {
+    if (FinerBlocks(params.s, Config::Traits::BM, Config::Traits::BN)) {
+      return RunForwardTiles<typename Config::BlockTraits, T, true>(params, stream);
+    }
+  }
+  return RunForwardTiles<typename Config::Traits, T>(params, stream);
 }
 
 template <typename Tr, typename DqTr, typename T>
