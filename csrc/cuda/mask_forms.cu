@@ -103,24 +103,29 @@ cudaError_t BuildMaskForms(const AttentionShape& s, const int32_t* key_start,
   forms->present = true;
   forms->lq = static_cast<int>(s.seqlen_q);
   forms->lk = static_cast<int>(s.seqlen_k);
-  if (l.key_entries > 0) {
-    if (key_start == nullptr || key_end == nullptr) return cudaErrorInvalidValue;
-    auto* cells = reinterpret_cast<int4*>(workspace);
-    range_cells_kernel<<<Grid(l.key_entries * Cells(s.seqlen_k), kCellWarps), kCellWarps * 32, 0,
-                         stream>>>(key_start, key_end, s.seqlen_k, l.key_entries, cells);
+  // The hulls of `entries` rows of n ranges into `at`; null where the call lacks the form.
+  auto range_cells = [&](const int32_t* start, const int32_t* end, int64_t n, int64_t entries,
+                         uint8_t* at) -> const int4* {
+    if (entries == 0) return nullptr;
+    auto* cells = reinterpret_cast<int4*>(at);
+    range_cells_kernel<<<Grid(entries * Cells(n), kCellWarps), kCellWarps * 32, 0, stream>>>(
+        start, end, n, entries, cells);
+    return cells;
+  };
+  if ((l.key_entries > 0 && (key_start == nullptr || key_end == nullptr)) ||
+      (l.row_entries > 0 && (row_start == nullptr || row_end == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  forms->key_cells = range_cells(key_start, key_end, s.seqlen_k, l.key_entries, workspace);
+  if (forms->key_cells != nullptr) {
     forms->key_start = key_start;
     forms->key_end = key_end;
-    forms->key_cells = cells;
   }
   workspace += l.key_bytes(s);
-  if (l.row_entries > 0) {
-    if (row_start == nullptr || row_end == nullptr) return cudaErrorInvalidValue;
-    auto* cells = reinterpret_cast<int4*>(workspace);
-    range_cells_kernel<<<Grid(l.row_entries * Cells(s.seqlen_q), kCellWarps), kCellWarps * 32, 0,
-                         stream>>>(row_start, row_end, s.seqlen_q, l.row_entries, cells);
+  forms->row_cells = range_cells(row_start, row_end, s.seqlen_q, l.row_entries, workspace);
+  if (forms->row_cells != nullptr) {
     forms->row_start = row_start;
     forms->row_end = row_end;
-    forms->row_cells = cells;
   }
   workspace += l.row_bytes(s);
   if (l.block_entries > 0) {
