@@ -223,10 +223,14 @@ int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k
   return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k, {}, {}, index_masks));
 }
 
-// The forward kernel a CUDA call with these shapes runs on the current device.
+// The forward kernel a CUDA call with these shapes (and index masks) runs on the current device.
 std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, OptionalDims mask,
-                              OptionalDims bias) {
-  return dmattn::cuda::ForwardKernelName(ForwardShape(q, k, mask, bias));
+                              OptionalDims bias, OptionalDims q_segments, OptionalDims kv_segments,
+                              OptionalDims key_ranges, OptionalDims row_ranges,
+                              OptionalDims block_indices, int64_t block_q, int64_t block_k) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
+                                  block_indices, block_q, block_k};
+  return dmattn::cuda::ForwardKernelName(ForwardShape(q, k, mask, bias, index_masks));
 }
 
 void CudaSetForwardKernel(const std::string& name) {
@@ -267,7 +271,9 @@ NB_MODULE(_dmattn, m) {
         "Bytes of the CUDA forward's workspace (index-mask summaries, query-block order, split-KV "
         "partials).");
   m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "mask"_a.none(),
-        "bias"_a.none(),
+        "bias"_a.none(), "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
+        "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
+        "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
         "The CUDA forward kernel for these shapes on the current device: 'hopper', 'flash2' "
         "or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,

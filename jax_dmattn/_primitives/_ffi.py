@@ -308,15 +308,29 @@ def cuda_forward_splits(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> i
 
 def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
                         mask_shape: tuple[int, ...] | None = None,
-                        bias_shape: tuple[int, ...] | None = None) -> str:
+                        bias_shape: tuple[int, ...] | None = None, *,
+                        q_segments: tuple[int, ...] | None = None,
+                        kv_segments: tuple[int, ...] | None = None,
+                        key_ranges: tuple[int, ...] | None = None,
+                        row_ranges: tuple[int, ...] | None = None,
+                        block_indices: tuple[int, ...] | None = None,
+                        block_q: int = 0, block_k: int = 0) -> str:
     """The CUDA forward kernel that a call with these shapes (q ``[B, Lq, H, D]``, k ``[B, Lk, Hk,
     D]``, mask and bias ``[B|1, H|Hk|1, Lq|1, Lk|1]`` or None) runs on the current device:
     ``"hopper"`` (the warp-specialised sm_90a kernel), ``"flash2"`` or ``"flash2_split"`` (the
-    FlashAttention-2-class kernel, keys split for small grids). A debugging aid."""
+    FlashAttention-2-class kernel, keys split for small grids). A debugging aid.
+
+    The index masks by their shapes as the kernels see them: segment ids ``[B|1, Lq]`` and
+    ``[B|1, Lk]``, key ranges ``[B|1, H|Hk|1, 1, Lk]``, row ranges ``[B|1, H|Hk|1, Lq, 1]``, block
+    indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
+    mask forms run the FlashAttention-2-class forward)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
-    return str(_extension().cuda_forward_kernel(tuple(q_shape), tuple(k_shape), dims(mask_shape),
-                                                dims(bias_shape)))
+    return str(_extension().cuda_forward_kernel(
+        tuple(q_shape), tuple(k_shape), dims(mask_shape), dims(bias_shape),
+        q_segments=dims(q_segments), kv_segments=dims(kv_segments), key_ranges=dims(key_ranges),
+        row_ranges=dims(row_ranges), block_indices=dims(block_indices), block_q=block_q,
+        block_k=block_k))
 
 
 def cuda_set_forward_kernel(name: str) -> None:
