@@ -29,7 +29,8 @@ struct FwdConfig {
 // C, Q/dO stages> (see bwd_kernel.cuh). `Narrow` (key block 64) replaces `Traits` when
 // UseNarrow says so: for grids of the wide tile that would leave SMs idle (few kv heads x
 // batches, GQA with one kv head: one CTA per (key block, kv head) walks all the query heads of
-// its group), and for block indices of finer blocks (FinerBlocks). Deterministic dq kernel: query block x key block, 4 warps of 16 query rows.
+// its group), and for block indices of finer blocks (FinerBlocks). Deterministic dq kernel:
+// query block x key block, 4 warps of 16 query rows.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTiles {
   static_assert(Main::BN >= kSmallestBackwardKeyBlock &&
