@@ -458,7 +458,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
                                  L.q_len - m0, tid);
       load_tile_async<BM, D, NT>(sdO + st * (Tr::kQBytes / 2), dog + m0 * q_rs, q_rs,
                                  L.q_len - m0, tid);
-      if (kIndexed && has_segments) {
+      if (has_segments) {
         load_ids_async<BM, NT>(sRowIds + st * BM, q_segment_row(p, b) + m0, L.q_len - m0, tid);
       }
       for (int r = tid; r < BM; r += NT) {
@@ -485,7 +485,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
     }();
     auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
-    if (kIndexed && has_segments) {  // read after the barrier of the pair's first block
+    if (has_segments) {  // read after the barrier of the pair's first block
       load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
       cp_async_commit();
     }

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     dsum[half] = d;
   }
   int row_ids[2] = {0, 0};  // segment ids (rows past the length: hidden by the bounds test)
-  if (kIndexed && has_segments) {
+  if (has_segments) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = m0 + row0 + half * 8;

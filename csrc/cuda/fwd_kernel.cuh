@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   // With segment ids: the ids of this thread's rows (rows past the length: hidden by the bounds
   // test)
   int row_ids[kIndexed ? 2 * MT : 1];
-  if (kIndexed && has_segments) {
+  if (has_segments) {
     const int32_t* ids = q_segment_row(p, b);
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
