@@ -166,7 +166,9 @@ def test_forward_generations(case, kernel):
 def test_forward_kernel_query():
     hopper = "hopper" if _hopper_forward_built() else "flash2"
     q, k = (8, 4096, 16, 128), (8, 4096, 16, 128)
-    assert _ffi.cuda_forward_kernel((1, 1, 8, 128), (1, 4096, 8, 128)) == "flash2_split"
+    assert _ffi.cuda_forward_kernel((1, 1, 8, 128), (1, 4096, 8, 128)) == "decode"
+    assert _ffi.cuda_forward_kernel((1, 1, 8, 256), (1, 4096, 8, 256)) == "flash2_split"
+    assert _ffi.cuda_forward_kernel((1, 17, 8, 128), (1, 4096, 8, 128)) == "flash2_split"
     assert _ffi.cuda_forward_kernel(q, k, (8, 16, 4096, 4096), (1, 16, 1, 4096)) == hopper
     assert _ffi.cuda_forward_kernel(q, k, (8, 16, 4096, 1)) == "flash2"  # broadcast over keys
     odd = (8, 4090, 16, 128)  # bias rows of 8180 bytes, which TMA cannot address; the mask's

@@ -265,7 +265,14 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms();
 }
 
+bool DecodeTakes(const AttentionShape& s) {
+  return ForwardKernelSetting() != ForwardKernel::kFlash2 && HasDecodeForward(s.head_dim) &&
+         s.seqlen_q >= 1 && s.seqlen_q <= kDecodeMaxQueryRows && s.seqlen_k > 0 &&
+         !s.has_segments && !s.has_mask_forms() && !s.has_gate && s.softmax_threshold == 0.0;
+}
+
 const char* ForwardKernelName(const AttentionShape& shape) {
+  if (DecodeTakes(shape)) return "decode";
   const int64_t splits = ForwardSplits(shape);
   if (HopperForwardTakes(shape, splits)) return "hopper";
   return splits > 1 ? "flash2_split" : "flash2";
@@ -291,10 +298,34 @@ bool HopperKernels() {
 #endif
 }
 
+namespace {
+
+// Key splits of the decode forward: the count that finishes first when each CTA costs its
+// share of the key tiles plus two (the ring's fill), in waves of the CTAs that run at once.
+int64_t DecodeSplits(const AttentionShape& s) {
+  const int64_t rows = s.heads_per_kv_head() * s.seqlen_q;
+  const int64_t ctas = s.batch_count() * s.num_kv_heads * CeilDiv(rows, DecodeRowTile(rows));
+  const int64_t tiles = CeilDiv(s.seqlen_k, kMaskMapCell);
+  const int64_t slots = MultiProcessors() * static_cast<int64_t>(DecodeCtasPerSm(s.head_dim));
+  constexpr int64_t kMaxSplits = 64, kFillTiles = 2;
+  int64_t best = 1, best_cost = -1;
+  for (int64_t n = 1; n <= std::min(kMaxSplits, tiles); ++n) {
+    const int64_t cost = CeilDiv(ctas * n, slots) * (CeilDiv(tiles, n) + kFillTiles);
+    if (best_cost < 0 || cost < best_cost) {
+      best = n;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 // Key splits of the forward: none while the (query block, head, batch) grid fills 80 % of the
 // SMs' CTA slots (two per SM); otherwise the smallest count whose waves are filled within 85 % of
 // the best count's, among counts that shorten the longest split.
 int64_t ForwardSplits(const AttentionShape& s) {
+  if (DecodeTakes(s)) return DecodeSplits(s);
   const int64_t ctas = QueryBlocks(s);
   const int64_t key_blocks = CeilDiv(s.seqlen_k, ForwardTileOf(s).bn);
   const int64_t slots = ForwardSlots();

@@ -56,6 +56,20 @@ bool HopperKernels();
 // The forward generation that SetForwardKernel (attention.h) chose for this process.
 ForwardKernel ForwardKernelSetting();
 
+// The decode forward (decode_kernel.cuh) takes calls of at most kDecodeMaxQueryRows query rows
+// at these head dims: the H / Hk query heads of a kv head share its tiles, so K and V are read
+// once per kv head.
+constexpr int64_t kDecodeMaxQueryRows = 16;
+// (At D = 256 its O alone takes 128 registers a thread and the kernel spilled: the
+// FlashAttention-2-class split forward keeps those calls.)
+constexpr bool HasDecodeForward(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+// Packed rows ((H / Hk) * Lq of them) per decode CTA: 16, 32 or 64 (then several row blocks).
+constexpr int DecodeRowTile(int64_t rows) { return rows <= 16 ? 16 : (rows <= 32 ? 32 : 64); }
+// Decode CTAs that run at once on one SM (their shared memory: the K/V ring and the Q tile).
+constexpr int DecodeCtasPerSm(int64_t head_dim) { return head_dim <= 64 ? 3 : 2; }
+// True when the dispatcher runs the decode forward for a call of this shape.
+bool DecodeTakes(const AttentionShape& shape);
+
 // Head dims with a warp-specialised Hopper forward (sm90/fwd_launch.cuh has their tiles).
 constexpr bool HasHopperForward(int64_t head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;

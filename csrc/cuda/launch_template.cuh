@@ -9,6 +9,7 @@
 
 #include "cuda/block_order.cuh"
 #include "cuda/bwd_kernel.cuh"
+#include "cuda/decode_kernel.cuh"
 #include "cuda/dq_kernel.cuh"
 #include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
@@ -175,6 +176,16 @@ cudaError_t OrderKeyBlocks(BwdParams& p, int64_t ctas, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Merges the partial results of a forward's key splits into out and lse (fwd_combine.cuh).
+template <int D, typename T>
+cudaError_t CombineSplits(const FwdParams& p, cudaStream_t stream) {
+  const int64_t rows = p.s.batch_count() * p.s.num_heads * p.s.seqlen_q;
+  const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+  fwd_combine_kernel<D, T>
+      <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(p, rows);
+  return cudaGetLastError();
+}
+
 // kFormsOnly: the call has O(L) mask forms (BlockTraits' tiles compile only their kernels).
 template <typename Tr, typename T, bool kFormsOnly = false>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
@@ -182,7 +193,6 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
   const int n_blocks = static_cast<int>((p.s.seqlen_k + Tr::BN - 1) / Tr::BN);
   p.split_blocks = (n_blocks + p.num_splits - 1) / p.num_splits;
-  const int64_t rows = p.s.batch_count() * p.s.num_heads * p.s.seqlen_q;
   const int64_t blocks =
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
@@ -199,10 +209,41 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
                                                : (p.bias != nullptr ? Tr::kOffMask : Tr::kOffBias));
   kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.num_splits == 1) return e;
-  const int64_t combine_blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-  fwd_combine_kernel<Tr::D, T>
-      <<<static_cast<unsigned>(combine_blocks), kCombineWarps * 32, 0, stream>>>(p, rows);
-  return cudaGetLastError();
+  return CombineSplits<Tr::D, T>(p, stream);
+}
+
+// The decode forward (decode_kernel.cuh): 16, 32 or 64 packed rows a CTA (DecodeRowTile), a
+// deeper K/V ring where shared memory allows (DecodeCtasPerSm CTAs of it on one SM).
+template <int D>
+constexpr int kDecodeStages = D <= 64 ? 4 : 3;
+
+template <typename Tr, typename T>
+cudaError_t RunDecodeTiles(const FwdParams& params, cudaStream_t stream) {
+  static_assert(Tr::RM == DecodeRowTile(Tr::RM), "the row tile the splits were counted for");
+  static_assert(kDecodeMaxQueryRows <= kMaskMapCell, "a CTA's query rows lie in one map cell row");
+  FwdParams p = params;
+  const AttentionShape& s = p.s;
+  const int64_t rows = s.heads_per_kv_head() * s.seqlen_q;
+  p.m_blocks = static_cast<int>((rows + Tr::RM - 1) / Tr::RM);
+  const int n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
+  p.split_blocks = (n_blocks + p.num_splits - 1) / p.num_splits;
+  const int64_t blocks = s.batch_count() * s.num_kv_heads * p.m_blocks * p.num_splits;
+  if (blocks == 0) return cudaSuccess;
+  auto kernel = decode_kernel<Tr, T>;
+  if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
+  kernel<<<static_cast<unsigned>(blocks), Tr::kNT, Tr::kSmem, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.num_splits == 1) return e;
+  return CombineSplits<Tr::D, T>(p, stream);
+}
+
+// The warps split each tile's keys KG ways where the packed rows leave warps to spare.
+template <int D, typename T>
+cudaError_t RunDecode(const FwdParams& p, cudaStream_t stream) {
+  switch (DecodeRowTile(p.s.heads_per_kv_head() * p.s.seqlen_q)) {
+    case 16: return RunDecodeTiles<DecodeTraits<D, 4, kDecodeStages<D>>, T>(p, stream);
+    case 32: return RunDecodeTiles<DecodeTraits<D, 2, kDecodeStages<D>>, T>(p, stream);
+    default: return RunDecodeTiles<DecodeTraits<D, 1, kDecodeStages<D>>, T>(p, stream);
+  }
 }
 
 // The warp-specialised Hopper forward where the device, the build, the head dim and the call's
@@ -213,6 +254,9 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
 #endif
+  if constexpr (HasDecodeForward(D)) {
+    if (DecodeTakes(params.s)) return RunDecode<D, T>(params, stream);
+  }
   if constexpr (sm90::FwdConfig<D>::kAvailable) {
     if (sm90::Takes(params)) {
       using Config = sm90::FwdConfig<D>;

@@ -1323,6 +1323,32 @@ std::vector<Case> AllCases() {
     c.row_ranges = Form({1}, 4); c.block_indices = Form({2}, 4); c.block_q = 200;
     c.block_k = 200; c.block_slots = 6; add(c);
   }
+  {
+    // the decode forward (Lq <= 16): the query heads of a kv head packed into one tile; 16 rows
+    // a CTA (warps split the keys four ways), 32 (two ways), 64 and more (row blocks)
+    Case c; c.name = "decode_q1_g4_k4100_d128_mask_holes_perkey_bias"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 1; c.Lk = 4100; c.D = 128; c.mask = Op({2}, 8, true, true);
+    c.mask_holes = true; c.bias = Op({2}, 8, false, true); add(c);
+    c = Case(); c.name = "decode_q4_g8_k777_d64_causal_softcap_bias"; c.H = 16; c.Hk = 2;
+    c.Lq = 4; c.Lk = 777; c.D = 64; c.causal = true; c.softcap = 5.f; c.qk_std = 1.5f;
+    c.bias = Op({1}, 1, true, true); add(c);
+    c = Case(); c.name = "decode_q16_g4_k1000_d64_seqlens_window_mask"; c.batch = {3}; c.H = 8;
+    c.Hk = 2; c.Lq = 16; c.Lk = 1000; c.D = 64; c.window_left = 100; c.window_right = 0;
+    c.seqlens = true; c.q_lens = {16, 5, 0}; c.kv_lens = {1000, 300, 17};
+    c.mask = Op({1}, 2, false, true); add(c);
+    c = Case(); c.name = "fp16_decode_q16_g8_k600_d128_row_blocks_mask"; c.bf16 = false;
+    c.H = 8; c.Hk = 1; c.Lq = 16; c.Lk = 600; c.D = 128; c.mask = Op({1}, 1, true, true);
+    c.bias = Op({1}, 8, true, true); add(c);
+    c = Case(); c.name = "decode_q2_mha_k3000_d128_windows_sinks_causal"; c.H = 4; c.Hk = 4;
+    c.Lq = 2; c.Lk = 3000; c.D = 128; c.causal = true;
+    c.head_windows = {{64, 500, 0}, {0, 100, 0}, {16, -1, -1}, {0, 2000, 10}}; add(c);
+    c = Case(); c.name = "decode_q3_g2_k20000_d64_all_masked_bias"; c.H = 4; c.Hk = 2;
+    c.Lq = 3; c.Lk = 20000; c.D = 64; c.mask = Op({1}, 4, true, true); c.mask_density = 0.f;
+    c.bias = Op({1}, 4, true, true); add(c);
+    c = Case(); c.name = "decode_q8_g4_k2500_d128_dense_seqlens_dlse"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 8; c.Lk = 2500; c.D = 128; c.seqlens = true; c.q_lens = {8, 8};
+    c.kv_lens = {2500, 1}; c.dlse = true; add(c);
+  }
   return v;
 }
 
@@ -1439,6 +1465,16 @@ std::vector<Case> QuickCases() {
     c.batch = {2}; c.H = 2; c.Hk = 1; c.Lq = 130; c.Lk = 300; c.D = 128;
     c.block_indices = Form({2}, 2); c.block_q = 48; c.block_k = 80; c.block_slots = 3;
     c.key_ranges = Form({1}, 1); c.row_ranges = Form({2}, 2); c.bias = Op({2}, 2, true, true);
+    v.push_back(c);
+  }
+  {
+    // the decode forward: packed heads, split keys, mask holes, per-key bias, lengths, softcap
+    Case c; c.name = "quick_decode_q3_g4_k700_d128_mask_bias_softcap"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 3; c.Lk = 700; c.D = 128; c.mask = Op({2}, 2, true, true);
+    c.mask_holes = true; c.bias = Op({2}, 8, false, true); c.softcap = 4.f; c.seqlens = true;
+    c.q_lens = {3, 2}; c.kv_lens = {700, 129}; v.push_back(c);
+    c = Case(); c.name = "quick_decode_q16_g8_k300_d64_row_blocks_causal"; c.H = 8; c.Hk = 1;
+    c.Lq = 16; c.Lk = 300; c.D = 64; c.causal = true; c.bias = Op({1}, 8, true, true);
     v.push_back(c);
   }
   return v;
@@ -1622,6 +1658,20 @@ void Bench(bool variants, const std::string& only) {
     }
     return c;
   };
+  {
+    // issue 26: decoding, one (or 16) query rows against a long KV cache, H32 / Hk8
+    Case c = mk("b11", 8, 32, 8, 1, 128, false, false, false);
+    c.Lk = 32768;
+    benches.push_back({"decode B8 Lq1 Lk32k H32 Hk8 d128", c, 0});
+    c.bias = Op({8}, 32, false, true);
+    benches.push_back({"decode B8 Lq1 Lk32k H32 Hk8 d128 per-key bias", c, 0});
+    c = mk("b12", 1, 32, 8, 1, 128, false, false, false);
+    c.Lk = 131072;
+    benches.push_back({"decode B1 Lq1 Lk128k H32 Hk8 d128", c, 0});
+    c = mk("b13", 8, 32, 8, 16, 128, false, false, false);
+    c.Lk = 32768;
+    benches.push_back({"decode B8 Lq16 Lk32k H32 Hk8 d128", c, 0});
+  }
   benches.push_back({"dense d128 L4k B4 H16", mk("b1", 4, 16, 16, 4096, 128, false, false, false), 0});
   {
     Case c = mk("b1d", 4, 16, 16, 4096, 128, false, false, false);
