@@ -11,7 +11,9 @@
 //   softcap, then -inf where not visible (lengths, position, mask)
 //   online softmax in fp32 with exp2, O += P V
 // with its own running max and sum; the KG warps of a row group merge theirs once at the end.
-// Split-KV partial results go to fwd_combine.cuh as the FlashAttention-2-class forward's do.
+// With split-KV each CTA writes a partial result as the FlashAttention-2-class forward's splits
+// do; the last CTA of a (batch, kv head, row block) to finish merges them (fwd_combine.cuh's
+// combine_row), counted in FwdParams::split_counters.
 // Mask and bias elements are read straight from global memory into the score layout (a row of
 // at most kDecodeBlockN keys a tile, beside K/V tiles of kDecodeBlockN x D), where they are used:
 // a first version that loaded them before the tile's barrier held them in 50 more registers.
@@ -20,6 +22,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/fwd_combine.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 
@@ -46,9 +49,9 @@ struct DecodeTraits {
   static constexpr int kRingBytes = kStages * 2 * kTileBytes;
   static constexpr int kSmem = kOffRing + kRingBytes;
   // The merge of the KG warps' results reuses the ring: (max, sum) of every row and warp, then
-  // the scaled outputs of warps 1 .. KG - 1.
+  // the scaled outputs of warps 1 .. KG - 1 (then the flag of the splits' merge).
   static constexpr int kMergeBytes = (KG * RM * 2 + (KG - 1) * RM * D) * 4;
-  static_assert(kMergeBytes <= kRingBytes, "the merge fits the ring");
+  static_assert(kMergeBytes + 4 <= kRingBytes, "the merge and its flag fit the ring");
   static_assert(kOffRing % 128 == 0 && kTileBytes % 128 == 0, "tiles start on 128-byte rows");
 };
 
@@ -85,8 +88,10 @@ struct DecodeRow {
 
 }  // namespace detail
 
+// Two CTAs an SM (DecodeCtasPerSm): with no minimum given, ptxas held the KG = 4 kernel to 168
+// registers and spilled.
 template <typename Tr, typename T>
-__global__ void __launch_bounds__(Tr::kNT) decode_kernel(const __grid_constant__ FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
   using E = Elem<T>;
   constexpr int D = Tr::D, BN = Tr::BN, KW = Tr::KW, KG = Tr::KG, RM = Tr::RM, NT = Tr::kNT;
@@ -371,44 +376,65 @@ __global__ void __launch_bounds__(Tr::kNT) decode_kernel(const __grid_constant__
       });
     }
     __syncthreads();
-    if (kg > 0) return;
-    for (int k = 1; k < KG; ++k) {
-      for_each_pair<1, NTO>([&](int, int t, int half) {
-        const int rl = row_group * 16 + g + half * 8;
-        const float2 x =
-            *reinterpret_cast<const float2*>(merge_o + ((k - 1) * RM + rl) * D + t * 8 + 2 * tq);
-        o[t][2 * half] += x.x;
-        o[t][2 * half + 1] += x.y;
-      });
+    if (kg == 0) {
+      for (int k = 1; k < KG; ++k) {
+        for_each_pair<1, NTO>([&](int, int t, int half) {
+          const int rl = row_group * 16 + g + half * 8;
+          const float2 x = *reinterpret_cast<const float2*>(merge_o + ((k - 1) * RM + rl) * D +
+                                                            t * 8 + 2 * tq);
+          o[t][2 * half] += x.x;
+          o[t][2 * half + 1] += x.y;
+        });
+      }
     }
   }
 
   const int64_t BH = s.batch_count() * H;
+  const int row_end = min(r0 + RM, rows);
+  auto flat_row = [&](int r) { return (b * H + hk * G + r % G) * Lq + r / G; };
+  if (kg == 0) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + row_group * 16 + g + half * 8;
-    if (r >= rows) continue;
-    const int i = r / G, h = hk * G + r % G;
-    float* lse_dst = p.lse + s.lse_offset(b, h) + i;
-    int64_t o_at = s.q_offset(b, h) + i * q_rs;
-    float* o_f32 = static_cast<float*>(p.out);
-    if (p.num_splits > 1) {
-      const int64_t at = (split * BH + b * H + h) * Lq + i;
-      lse_dst = p.lse_partial + at;
-      o_f32 = p.o_partial;
-      o_at = at * D;
-    }
-    if (tq == 0) *lse_dst = lse[half];
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + row_group * 16 + g + half * 8;
+      if (r >= row_end) continue;
+      const int i = r / G, h = hk * G + r % G;
+      float* lse_dst = p.lse + s.lse_offset(b, h) + i;
+      int64_t o_at = s.q_offset(b, h) + i * q_rs;
+      float* o_f32 = static_cast<float*>(p.out);
+      if (p.num_splits > 1) {
+        const int64_t at = split * BH * Lq + flat_row(r);
+        lse_dst = p.lse_partial + at;
+        o_f32 = p.o_partial;
+        o_at = at * D;
+      }
+      if (tq == 0) *lse_dst = lse[half];
 #pragma unroll
-    for (int t = 0; t < NTO; ++t) {
-      const float x0 = o[t][2 * half], x1 = o[t][2 * half + 1];
-      const int64_t at = o_at + t * 8 + 2 * tq;
-      if (p.num_splits > 1 || p.out_f32) {
-        *reinterpret_cast<float2*>(o_f32 + at) = make_float2(x0, x1);
-      } else {
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + at) = E::pack(x0, x1);
+      for (int t = 0; t < NTO; ++t) {
+        const float x0 = o[t][2 * half], x1 = o[t][2 * half + 1];
+        const int64_t at = o_at + t * 8 + 2 * tq;
+        if (p.num_splits > 1 || p.out_f32) {
+          *reinterpret_cast<float2*>(o_f32 + at) = make_float2(x0, x1);
+        } else {
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + at) = E::pack(x0, x1);
+        }
       }
     }
+  }
+
+  // The last split of the group to finish merges the group's partial results.
+  if (p.num_splits == 1 || p.split_counters == nullptr) return;
+  int* merges = reinterpret_cast<int*>(smem + Tr::kOffRing + Tr::kMergeBytes);
+  __threadfence();  // this CTA's partial results, before its count
+  __syncthreads();
+  if (tid == 0) {
+    const int64_t group = (b * Hk + hk) * p.m_blocks + r0 / RM;
+    *merges = atomicAdd(p.split_counters + group, 1) == p.num_splits - 1;
+  }
+  __syncthreads();
+  if (!*merges) return;
+  __threadfence();  // the other splits' results, after their counts
+  for (int r = r0 + warp; r < row_end; r += Tr::NW) {
+    combine_row<D, T>(p, flat_row(r), BH * Lq, lane);
   }
 }
 

@@ -129,6 +129,10 @@ struct FwdParams {
   int split_blocks;
   float* o_partial;
   float* lse_partial;
+  // The decode forward's count, per (batch, kv head, row block), of the splits that wrote their
+  // partial results (zeroed by its launcher): the last one merges them. Null: the combine kernel
+  // merges.
+  int* split_counters;
   // The accumulator holds acc = q.k + bias / scale, so the logit is z = scale * acc. Without a
   // softcap the score array keeps acc; with one it keeps s = softcap * tanh(acc * softcap_in).
   float bias_mul;     // 1 / scale

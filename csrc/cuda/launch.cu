@@ -442,8 +442,16 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
     workspace += kTileCounterBytes;
     workspace_bytes -= kTileCounterBytes;
   }
-  TakeBlockOrder(QueryBlocks(shape), 0, &workspace, &workspace_bytes, &p.block_order,
-                 &p.block_weight);
+  if (DecodeTakes(shape)) {
+    // The decode forward has no block order: its split counters, one per (batch, kv head, row
+    // block), at most B * H of them, take that space.
+    int32_t* unused = nullptr;
+    TakeBlockOrder(QueryBlocks(shape), 0, &workspace, &workspace_bytes, &p.split_counters,
+                   &unused);
+  } else {
+    TakeBlockOrder(QueryBlocks(shape), 0, &workspace, &workspace_bytes, &p.block_order,
+                   &p.block_weight);
+  }
   const int64_t split_bytes = SplitBytes(shape);
   int64_t splits = ForwardSplits(shape);
   if (split_bytes > 0 && splits * split_bytes > workspace_bytes) {
