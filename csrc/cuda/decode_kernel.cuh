@@ -213,6 +213,28 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   const FragAddr<RM, D> fq(sQ, row_group * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                            (lane >> 4) * 8);
 
+  // A thread's bias elements of tile n, two adjacent keys a word (in one load where the bias's
+  // rows allow: bias_vec), loaded a tile ahead of their use so that their latency hides behind a
+  // tile's work (B8 Lq16 Lk32k H32/Hk8, a per-key bias: +40 % -> +27 % with the paired loads).
+  auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
+    for_each_index<2, NTS, 1>([&](int half, int t, int) {
+      const int j = n * BN + kg * KW + t * 8 + 2 * tq;
+      const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
+      pairs[half][t] = 0;
+      if (bias == nullptr || j >= L.kv_len) return;
+      if (p.bias_vec) {
+        pairs[half][t] = __ldg(reinterpret_cast<const uint32_t*>(bias + j));
+      } else {
+        pairs[half][t] = __ldg(bias + j * s.bias.col_stride);
+        if (j + 1 < L.kv_len) {
+          pairs[half][t] |= static_cast<uint32_t>(__ldg(bias + (j + 1) * s.bias.col_stride)) << 16;
+        }
+      }
+    });
+  };
+  uint32_t next_bias[2][NTS];
+  if (has_bias && queued[0] >= n_lo) load_bias(queued[0], next_bias);
+
   // ---- main loop over the visible tiles ------------------------------------------------------
   for (int read_slot = 0; queued[0] >= n_lo; read_slot = read_slot + 1 == S ? 0 : read_slot + 1) {
     const int n = queued[0];
@@ -234,6 +256,12 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
       }
       cp_async_commit();
     }
+    uint32_t bias_pairs[2][NTS] = {};
+    if (has_bias) {
+      for_each_index<2, NTS, 1>(
+          [&](int half, int t, int) { bias_pairs[half][t] = next_bias[half][t]; });
+      if (queued[0] >= n_lo) load_bias(queued[0], next_bias);
+    }
     const T* sK = ring + read_slot * 2 * BN * D;
     const T* sV = sK + BN * D;
     const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
@@ -245,13 +273,10 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
 
       // S = bias / scale + Q K^T
       float sc[NTS][4];
-      for_each_pair<2, NTS>([&](int half, int t, int e) {
-        const int j = j0 + t * 8 + 2 * tq + e;
-        const T* bias = static_cast<const T*>(row[half].bias);
-        sc[t][2 * half + e] =
-            bias != nullptr && j < L.kv_len
-                ? E::to_float(bias[j * s.bias.col_stride]) * p.bias_mul
-                : 0.f;
+      for_each_index<2, NTS, 1>([&](int half, int t, int) {
+        const float2 x = E::unpack(bias_pairs[half][t]);  // zeros without a bias
+        sc[t][2 * half] = x.x * p.bias_mul;
+        sc[t][2 * half + 1] = x.y * p.bias_mul;
       });
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -272,12 +297,26 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
           sc[t][e] = p.softcap * accurate_tanh(sc[t][e] * p.softcap_in);
         });
       }
-      for_each_element<1, NTS>([&](int, int t, int e) {
-        const DecodeRow& w = row[e >> 1];
-        const int j = j0 + t * 8 + 2 * tq + (e & 1);
-        bool in = w.live && j < L.kv_len && rule.sees(w.i, j);
-        if (in && mask_test) in = w.mask[j * s.mask.col_stride] != 0;
-        if (!in) sc[t][e] = -INFINITY;
+      for_each_pair<1, NTS>([&](int, int t, int half) {
+        const DecodeRow& w = row[half];
+        const int j = j0 + t * 8 + 2 * tq;
+        uint32_t keep = 0x0101u;  // a byte per key
+        if (mask_test && w.live && j < L.kv_len) {
+          if (p.mask_vec) {
+            keep = __ldg(reinterpret_cast<const uint16_t*>(w.mask + j));
+          } else {
+            keep = w.mask[j * s.mask.col_stride];
+            if (j + 1 < L.kv_len) {
+              keep |= static_cast<uint32_t>(w.mask[(j + 1) * s.mask.col_stride]) << 8;
+            }
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool in = w.live && j + e < L.kv_len && rule.sees(w.i, j + e) &&
+                          ((keep >> (8 * e)) & 0xffu) != 0;
+          if (!in) sc[t][2 * half + e] = -INFINITY;
+        }
       });
 
       // online softmax

@@ -1671,6 +1671,8 @@ void Bench(bool variants, const std::string& only) {
     c = mk("b13", 8, 32, 8, 16, 128, false, false, false);
     c.Lk = 32768;
     benches.push_back({"decode B8 Lq16 Lk32k H32 Hk8 d128", c, 0});
+    c.bias = Op({8}, 32, false, true);
+    benches.push_back({"decode B8 Lq16 Lk32k H32 Hk8 d128 per-key bias", c, 0});
   }
   benches.push_back({"dense d128 L4k B4 H16", mk("b1", 4, 16, 16, 4096, 128, false, false, false), 0});
   {
