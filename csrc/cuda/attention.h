@@ -7,13 +7,14 @@
 
 namespace dmattn::cuda {
 
-// The forward kernel generation on a Hopper GPU: the dispatcher's choice (kAuto: the
-// warp-specialised kernel where it takes the call), or the FlashAttention-2-class kernel for
-// every call of the process (side-by-side measurements and tests). Other GPUs run kFlash2.
+// The forward kernel: the dispatcher's choice (kAuto: the decode kernel for few query rows, on a
+// Hopper GPU the warp-specialised kernel where it takes the call), or the FlashAttention-2-class
+// kernel for every call of the process (side-by-side measurements and tests).
 enum class ForwardKernel : int { kAuto = 0, kFlash2 = 1 };
 void SetForwardKernel(ForwardKernel kernel);
-// The forward kernel that Forward runs for this shape on the current device: "hopper" (the
-// warp-specialised kernel), "flash2" or "flash2_split" (FlashAttention-2 class, keys split).
+// The forward kernel that Forward runs for this shape on the current device: "decode" (few
+// query rows: decode_kernel.cuh), "hopper" (the warp-specialised kernel), "flash2" or
+// "flash2_split" (FlashAttention-2 class, keys split).
 const char* ForwardKernelName(const AttentionShape& shape);
 
 // Head dims with compiled kernels for this build (see CMake option JAX_DMATTN_HEAD_DIMS).

@@ -274,8 +274,8 @@ NB_MODULE(_dmattn, m) {
         "bias"_a.none(), "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
         "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
         "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
-        "The CUDA forward kernel for these shapes on the current device: 'hopper', 'flash2' "
-        "or 'flash2_split'.");
+        "The CUDA forward kernel for these shapes on the current device: 'decode', 'hopper', "
+        "'flash2' or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,
         "'auto' (the dispatcher's choice) or 'flash2' (the FlashAttention-2-class forward "
         "everywhere), for the whole process: side-by-side measurements and tests.");

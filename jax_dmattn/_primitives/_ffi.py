@@ -317,6 +317,7 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
                         block_q: int = 0, block_k: int = 0) -> str:
     """The CUDA forward kernel that a call with these shapes (q ``[B, Lq, H, D]``, k ``[B, Lk, Hk,
     D]``, mask and bias ``[B|1, H|Hk|1, Lq|1, Lk|1]`` or None) runs on the current device:
+    ``"decode"`` (at most 16 query rows: the query heads of a kv head share one tile),
     ``"hopper"`` (the warp-specialised sm_90a kernel), ``"flash2"`` or ``"flash2_split"`` (the
     FlashAttention-2-class kernel, keys split for small grids). A debugging aid.
 
@@ -335,7 +336,8 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
 
 def cuda_set_forward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default) or ``"flash2"`` (the FlashAttention-2-class
-    forward for every call of this process), for side-by-side measurements and tests. Applies to
+    forward for every call of this process, decoding included), for side-by-side measurements and
+    tests. Applies to
     executables compiled after it: call ``jax.clear_caches()`` too, since XLA may have captured an
     executable's kernels in a CUDA graph, which cannot change kernels between calls."""
     _extension().cuda_set_forward_kernel(name)
