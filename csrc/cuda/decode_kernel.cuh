@@ -15,8 +15,8 @@
 // do; the last CTA of a (batch, kv head, row block) to finish merges them (fwd_combine.cuh's
 // combine_row), counted in FwdParams::split_counters.
 // Mask and bias elements are read straight from global memory into the score layout (a row of
-// at most kDecodeBlockN keys a tile, beside K/V tiles of kDecodeBlockN x D), where they are used:
-// a first version that loaded them before the tile's barrier held them in 50 more registers.
+// at most kDecodeBlockN keys a tile, beside K/V tiles of kDecodeBlockN x D), two keys a load where
+// the rows allow; the bias a tile ahead of its use.
 #pragma once
 
 #include <cmath>
@@ -80,7 +80,6 @@ struct GroupTileFlags {
 // One of this thread's two packed rows (r = row group base + lane / 4 + 8 * half).
 struct DecodeRow {
   int i;      // query row
-  int h;      // query head
   bool live;  // a row of the call (r < G * Lq) within the query length
   const uint8_t* mask;  // its mask row (null without a mask or when not live)
   const void* bias;     // its bias row (of T), likewise
@@ -156,13 +155,13 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   for (int half = 0; half < 2; ++half) {
     const int r = r0 + row_group * 16 + g + half * 8;
     DecodeRow& w = row[half];
+    const int h = hk * G + r % G;
     w.i = r / G;
-    w.h = hk * G + r % G;
     w.live = r < rows && w.i < L.q_len;
     w.mask = has_mask && w.live
-                 ? p.mask + s.mask.offset(s.batch, b, w.h) + w.i * s.mask.row_stride
+                 ? p.mask + s.mask.offset(s.batch, b, h) + w.i * s.mask.row_stride
                  : nullptr;
-    w.bias = has_bias && w.live ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, w.h) +
+    w.bias = has_bias && w.live ? static_cast<const T*>(p.bias) + s.bias.offset(s.batch, b, h) +
                                       w.i * s.bias.row_stride
                                 : nullptr;
   }
@@ -215,7 +214,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
 
   // A thread's bias elements of tile n, two adjacent keys a word (in one load where the bias's
   // rows allow: bias_vec), loaded a tile ahead of their use so that their latency hides behind a
-  // tile's work (B8 Lq16 Lk32k H32/Hk8, a per-key bias: +40 % -> +27 % with the paired loads).
+  // tile's work (harness, B8 Lq16 Lk32k H32/Hk8, a per-key bias over none: +27 % loaded where
+  // used, +22 % a tile ahead).
   auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
     for_each_index<2, NTS, 1>([&](int half, int t, int) {
       const int j = n * BN + kg * KW + t * 8 + 2 * tq;
@@ -267,101 +267,99 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
     const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
     const FragAddr<BN, D> fv(sV, (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
 
-    {
-      const int c0 = kg * KW;  // this warp's first key in the tile
-      const int j0 = n * BN + c0;
+    const int c0 = kg * KW;  // this warp's first key in the tile
+    const int j0 = n * BN + c0;
 
-      // S = bias / scale + Q K^T
-      float sc[NTS][4];
-      for_each_index<2, NTS, 1>([&](int half, int t, int) {
-        const float2 x = E::unpack(bias_pairs[half][t]);  // zeros without a bias
-        sc[t][2 * half] = x.x * p.bias_mul;
-        sc[t][2 * half + 1] = x.y * p.bias_mul;
+    // S = bias / scale + Q K^T
+    float sc[NTS][4];
+    for_each_index<2, NTS, 1>([&](int half, int t, int) {
+      const float2 x = E::unpack(bias_pairs[half][t]);  // zeros without a bias
+      sc[t][2 * half] = x.x * p.bias_mul;
+      sc[t][2 * half + 1] = x.y * p.bias_mul;
+    });
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4];
+      ldsm_x4(a, fq(0, ks * 16));
+#pragma unroll
+      for (int np = 0; np < KW / 16; ++np) {
+        uint32_t bk[4];
+        ldsm_x4(bk, fk(c0 + np * 16, ks * 16));
+        E::mma(sc[2 * np], a, bk[0], bk[1]);
+        E::mma(sc[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // softcap, then visibility: lengths, the position rule, the mask
+    if (p.softcap > 0.f) {
+      for_each_element<1, NTS>([&](int, int t, int e) {
+        sc[t][e] = p.softcap * accurate_tanh(sc[t][e] * p.softcap_in);
       });
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        uint32_t a[4];
-        ldsm_x4(a, fq(0, ks * 16));
-#pragma unroll
-        for (int np = 0; np < KW / 16; ++np) {
-          uint32_t bk[4];
-          ldsm_x4(bk, fk(c0 + np * 16, ks * 16));
-          E::mma(sc[2 * np], a, bk[0], bk[1]);
-          E::mma(sc[2 * np + 1], a, bk[2], bk[3]);
-        }
-      }
-
-      // softcap, then visibility: lengths, the position rule, the mask
-      if (p.softcap > 0.f) {
-        for_each_element<1, NTS>([&](int, int t, int e) {
-          sc[t][e] = p.softcap * accurate_tanh(sc[t][e] * p.softcap_in);
-        });
-      }
-      for_each_pair<1, NTS>([&](int, int t, int half) {
-        const DecodeRow& w = row[half];
-        const int j = j0 + t * 8 + 2 * tq;
-        uint32_t keep = 0x0101u;  // a byte per key
-        if (mask_test && w.live && j < L.kv_len) {
-          if (p.mask_vec) {
-            keep = __ldg(reinterpret_cast<const uint16_t*>(w.mask + j));
-          } else {
-            keep = w.mask[j * s.mask.col_stride];
-            if (j + 1 < L.kv_len) {
-              keep |= static_cast<uint32_t>(w.mask[(j + 1) * s.mask.col_stride]) << 8;
-            }
+    }
+    for_each_pair<1, NTS>([&](int, int t, int half) {
+      const DecodeRow& w = row[half];
+      const int j = j0 + t * 8 + 2 * tq;
+      uint32_t keep = 0x0101u;  // a byte per key
+      if (mask_test && w.live && j < L.kv_len) {
+        if (p.mask_vec) {
+          keep = __ldg(reinterpret_cast<const uint16_t*>(w.mask + j));
+        } else {
+          keep = w.mask[j * s.mask.col_stride];
+          if (j + 1 < L.kv_len) {
+            keep |= static_cast<uint32_t>(w.mask[(j + 1) * s.mask.col_stride]) << 8;
           }
         }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool in = w.live && j + e < L.kv_len && rule.sees(w.i, j + e) &&
+                        ((keep >> (8 * e)) & 0xffu) != 0;
+        if (!in) sc[t][2 * half + e] = -INFINITY;
+      }
+    });
+
+    // online softmax
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = row_m[half];
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) mx = fmaxf(mx, fmaxf(sc[t][2 * half], sc[t][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_sc = (mx == -INFINITY) ? 0.f : mx * p.softmax_mul;
+      const float corr = fast_exp2(row_m[half] * p.softmax_mul - m_sc);
+      row_m[half] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const bool in = w.live && j + e < L.kv_len && rule.sees(w.i, j + e) &&
-                          ((keep >> (8 * e)) & 0xffu) != 0;
-          if (!in) sc[t][2 * half + e] = -INFINITY;
-        }
-      });
-
-      // online softmax
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = row_m[half];
-#pragma unroll
-        for (int t = 0; t < NTS; ++t) mx = fmaxf(mx, fmaxf(sc[t][2 * half], sc[t][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_sc = (mx == -INFINITY) ? 0.f : mx * p.softmax_mul;
-        const float corr = fast_exp2(row_m[half] * p.softmax_mul - m_sc);
-        row_m[half] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < NTS; ++t) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(sc[t][2 * half + e] * p.softmax_mul - m_sc);
-            sc[t][2 * half + e] = pv;
-            sum += pv;
-          }
-        }
-        row_l[half] = row_l[half] * corr + sum;
-#pragma unroll
-        for (int t = 0; t < NTO; ++t) {
-          o[t][2 * half] *= corr;
-          o[t][2 * half + 1] *= corr;
+          const float pv = fast_exp2(sc[t][2 * half + e] * p.softmax_mul - m_sc);
+          sc[t][2 * half + e] = pv;
+          sum += pv;
         }
       }
+      row_l[half] = row_l[half] * corr + sum;
+#pragma unroll
+      for (int t = 0; t < NTO; ++t) {
+        o[t][2 * half] *= corr;
+        o[t][2 * half + 1] *= corr;
+      }
+    }
 
-      // O += P V
+    // O += P V
 #pragma unroll
-      for (int kk = 0; kk < KW / 16; ++kk) {
-        const uint32_t a[4] = {E::pack(sc[2 * kk][0], sc[2 * kk][1]),
-                               E::pack(sc[2 * kk][2], sc[2 * kk][3]),
-                               E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                               E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      const uint32_t a[4] = {E::pack(sc[2 * kk][0], sc[2 * kk][1]),
+                             E::pack(sc[2 * kk][2], sc[2 * kk][3]),
+                             E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                             E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t bv[4];
-          ldsm_x4_t(bv, fv(c0 + kk * 16, dp * 16));
-          E::mma(o[2 * dp], a, bv[0], bv[1]);
-          E::mma(o[2 * dp + 1], a, bv[2], bv[3]);
-        }
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldsm_x4_t(bv, fv(c0 + kk * 16, dp * 16));
+        E::mma(o[2 * dp], a, bv[0], bv[1]);
+        E::mma(o[2 * dp + 1], a, bv[2], bv[3]);
       }
     }
   }
