@@ -318,34 +318,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
       }
     });
 
-    // online softmax
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = row_m[half];
-#pragma unroll
-      for (int t = 0; t < NTS; ++t) mx = fmaxf(mx, fmaxf(sc[t][2 * half], sc[t][2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_sc = (mx == -INFINITY) ? 0.f : mx * p.softmax_mul;
-      const float corr = fast_exp2(row_m[half] * p.softmax_mul - m_sc);
-      row_m[half] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int t = 0; t < NTS; ++t) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = fast_exp2(sc[t][2 * half + e] * p.softmax_mul - m_sc);
-          sc[t][2 * half + e] = pv;
-          sum += pv;
-        }
-      }
-      row_l[half] = row_l[half] * corr + sum;
-#pragma unroll
-      for (int t = 0; t < NTO; ++t) {
-        o[t][2 * half] *= corr;
-        o[t][2 * half + 1] *= corr;
-      }
-    }
+    online_softmax<1, NTS, NTO>(reinterpret_cast<float(&)[1][NTS][4]>(sc), row_m, row_l,
+                                reinterpret_cast<float(&)[1][NTO][4]>(o), p.softmax_mul);
 
     // O += P V
 #pragma unroll

@@ -432,40 +432,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     operands_visible<Tr>();  // V(n); K, bias and mask buffers free
     if (next >= n_lo) load_block(next, next_flags);
 
-    // online softmax
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mt + half;
-        float mx = row_m[r];
-#pragma unroll
-        for (int t = 0; t < NTS; ++t) {
-          mx = fmaxf(mx, fmaxf(sc[mt][t][2 * half], sc[mt][t][2 * half + 1]));
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_sc = (mx == -INFINITY) ? 0.f : mx * p.softmax_mul;
-        const float corr = fast_exp2(row_m[r] * p.softmax_mul - m_sc);
-        row_m[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < NTS; ++t) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(sc[mt][t][2 * half + e] * p.softmax_mul - m_sc);
-            sc[mt][t][2 * half + e] = pv;
-            sum += pv;
-          }
-        }
-        row_l[r] = row_l[r] * corr + sum;
-#pragma unroll
-        for (int t = 0; t < NTO; ++t) {
-          o[mt][t][2 * half] *= corr;
-          o[mt][t][2 * half + 1] *= corr;
-        }
-      }
-    }
+    online_softmax<MT, NTS, NTO>(sc, row_m, row_l, o, p.softmax_mul);
 
     // O += P V
     output_gemm<Tr>(o, sc, sV, lane);

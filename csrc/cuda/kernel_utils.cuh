@@ -574,4 +574,50 @@ __device__ __forceinline__ void for_each_pair(F f) {
   for_each_index<M, N, 2>(f);
 }
 
+// ------------------------------------------------------------------------------------------
+// Online softmax over one key block, on a warp's accumulators of MT x 16 rows (two rows a thread
+// per 16: lane / 4 and lane / 4 + 8; the row's other columns on the lanes of its quad)
+// ------------------------------------------------------------------------------------------
+// Each row's running max (in accumulator units) and sum take in the block's scores, which become
+// exp2((s - max) * softmax_mul); O is rescaled by the change of max. A row with no visible score
+// yet keeps max -inf and sum 0.
+template <int MT, int NTS, int NTO>
+__device__ __forceinline__ void online_softmax(float (&sc)[MT][NTS][4], float (&row_m)[2 * MT],
+                                               float (&row_l)[2 * MT], float (&o)[MT][NTO][4],
+                                               float softmax_mul) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * mt + half;
+      float mx = row_m[r];
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
+        mx = fmaxf(mx, fmaxf(sc[mt][t][2 * half], sc[mt][t][2 * half + 1]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_sc = (mx == -INFINITY) ? 0.f : mx * softmax_mul;
+      const float corr = fast_exp2(row_m[r] * softmax_mul - m_sc);
+      row_m[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = fast_exp2(sc[mt][t][2 * half + e] * softmax_mul - m_sc);
+          sc[mt][t][2 * half + e] = pv;
+          sum += pv;
+        }
+      }
+      row_l[r] = row_l[r] * corr + sum;
+#pragma unroll
+      for (int t = 0; t < NTO; ++t) {
+        o[mt][t][2 * half] *= corr;
+        o[mt][t][2 * half + 1] *= corr;
+      }
+    }
+  }
+}
+
 }  // namespace dmattn::cuda::detail
