@@ -121,7 +121,8 @@ def test_cuda_matches_float64_reference(case):
     """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
     the CPU kernels above; one case (3 query rows) runs the decode forward, the last two the
     Hopper forward (the others' grids are split over keys, which only the other kernels take)."""
-    require_cuda_kernel(case[6], case[11])
+    head_dim, dtype = case[6], case[11]
+    require_cuda_kernel(head_dim, dtype)
     _check_against_reference(case, "cuda")
 
 

@@ -337,9 +337,9 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
 def cuda_set_forward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default) or ``"flash2"`` (the FlashAttention-2-class
     forward for every call of this process, decoding included), for side-by-side measurements and
-    tests. Applies to
-    executables compiled after it: call ``jax.clear_caches()`` too, since XLA may have captured an
-    executable's kernels in a CUDA graph, which cannot change kernels between calls."""
+    tests. Applies to executables compiled after it: call ``jax.clear_caches()`` too, since XLA
+    may have captured an executable's kernels in a CUDA graph, which cannot change kernels
+    between calls."""
     _extension().cuda_set_forward_kernel(name)
 
 
