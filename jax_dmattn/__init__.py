@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jax_dmattn import dynamic, masks, reference
+from jax_dmattn import dynamic, masks, paged, reference
 
 # Attributes of the package under the names they had before moving into _primitives/ and parallel/
 # (``import jax_dmattn.ops`` and the like go through the alias modules at those paths).
 from jax_dmattn._primitives import _ffi, batching, core, ops  # noqa: F401
 from jax_dmattn.attention import dot_product_attention, flash_dmattn
 from jax_dmattn.dynamic import dynamic_attention
+from jax_dmattn.paged import paged_attention
 
 # sharding lowers the primitives to the kernels when imported (ops, below it, cannot import it).
 from jax_dmattn.parallel import context_parallel, sharding  # noqa: F401
@@ -42,5 +43,7 @@ __all__ = [
     "dynamic_attention",
     "flash_dmattn",
     "masks",
+    "paged",
+    "paged_attention",
     "reference",
 ]

@@ -17,6 +17,9 @@ GATE_BLOCK_K = 128
 # kSkipBlockK).
 SKIP_BLOCK_Q = GATE_BLOCK_Q
 SKIP_BLOCK_K = GATE_BLOCK_K
+# A paged KV cache's page size is a multiple of this (csrc/common/params.h: kPageSizeMultiple):
+# every kernel's key tile then lies in one page.
+PAGE_SIZE_MULTIPLE = 64
 
 
 def gate_cut(threshold: float | None) -> float:
@@ -76,8 +79,9 @@ class AttentionParams:
     def ffi_attributes(self, *, has_mask: bool, has_bias: bool, has_seqlens: bool,
                        has_segments: bool = False, has_key_ranges: bool = False,
                        has_row_ranges: bool = False, has_block_indices: bool = False,
-                       has_gate: bool = False) -> dict:
-        """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h)."""
+                       has_gate: bool = False, page_size: int = 0) -> dict:
+        """The attribute dictionary the C++ handlers decode (csrc/ffi/decode.h); `page_size`:
+        a paged cache's (0: contiguous k and v)."""
         return dict(
             scale=np.float32(self.scale),
             softcap=np.float32(self.softcap),
@@ -99,4 +103,5 @@ class AttentionParams:
             has_gate=has_gate,
             gate_cut=np.float64(gate_cut(self.gate_threshold)),
             softmax_threshold=np.float64(self.softmax_threshold or 0.0),
+            page_size=np.int64(page_size),
         )

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dmattn._primitives import _ffi
-from jax_dmattn.params import IMPLEMENTATIONS
+from jax_dmattn.params import IMPLEMENTATIONS, PAGE_SIZE_MULTIPLE
 
 KERNEL_DTYPES = {
     None: ("float16", "bfloat16", "float32"),
@@ -76,11 +76,7 @@ def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array,
                             (v, "value", "[B, Lk, Hk, D]")):
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D {layout}, got shape {x.shape}")
-    accepted = KERNEL_DTYPES[implementation]
-    if q.dtype.name not in accepted:
-        raise TypeError(
-            f"query dtype {q.dtype.name} is not supported by implementation={implementation!r}; "
-            f"accepted: {', '.join(accepted)}")
+    _check_dtype(q, implementation)
     for x, name in ((k, "key"), (v, "value")):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype {q.dtype.name}")
@@ -97,10 +93,77 @@ def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array,
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
             f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")
-    if implementation == "cuda" and head_dim not in _ffi.cuda_head_dims():
-        raise ValueError(
-            f"head dim {head_dim} has no CUDA kernel; compiled head dims: {_ffi.cuda_head_dims()}")
     return q, k, v
+
+
+def _check_dtype(q: jax.Array, implementation: str | None) -> None:
+    accepted = KERNEL_DTYPES[implementation]
+    if q.dtype.name not in accepted:
+        raise TypeError(
+            f"query dtype {q.dtype.name} is not supported by implementation={implementation!r}; "
+            f"accepted: {', '.join(accepted)}")
+    if implementation == "cuda" and q.shape[-1] not in _ffi.cuda_head_dims():
+        raise ValueError(f"head dim {q.shape[-1]} has no CUDA kernel; compiled head dims: "
+                         f"{_ffi.cuda_head_dims()}")
+
+
+def check_paged_cache(query, key_pages, value_pages, page_table, kv_lens,
+                      implementation: str | None) -> tuple[tuple[jax.Array, ...], Dims]:
+    """q ``[B, Lq, H, D]``, pools ``[P, page_size, Hk, D]`` of q's dtype (page_size a multiple of
+    ``PAGE_SIZE_MULTIPLE``), page_table int32 ``[B, max_pages]`` and kv_lens int32 ``[B]``; the
+    call's dims have ``Lk = max_pages * page_size``. Concrete tables and lengths are checked too:
+    lengths in ``[0, Lk]``, and every page a length reaches names a page of the pool."""
+    q, k, v = (as_array(x, n) for x, n in ((query, "query"), (key_pages, "key_pages"),
+                                            (value_pages, "value_pages")))
+    if q.ndim != 4:
+        raise ValueError(f"query must be 4-D [B, Lq, H, D], got shape {q.shape}")
+    _check_dtype(q, implementation)
+    batch, seqlen_q, heads, head_dim = q.shape
+    for x, name in ((k, "key_pages"), (v, "value_pages")):
+        if x.ndim != 4 or x.shape[0] < 1 or x.shape[3] != head_dim:
+            raise ValueError(f"{name} must be [num_pages, page_size, Hk, {head_dim}], got shape "
+                             f"{x.shape}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype "
+                            f"{q.dtype.name}")
+    if k.shape != v.shape:
+        raise ValueError(f"key_pages and value_pages shapes differ: {k.shape} vs {v.shape}")
+    num_pages, page_size, kv_heads, _ = k.shape
+    if page_size < 1 or page_size % PAGE_SIZE_MULTIPLE:
+        raise ValueError(f"page_size (key_pages.shape[1]) must be a multiple of "
+                         f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")
+    if seqlen_q < 1:
+        raise ValueError(f"query must have at least one row, got shape {q.shape}")
+    table = as_array(page_table, "page_table")
+    if table.dtype != jnp.int32 or table.ndim != 2 or table.shape[0] != batch or \
+            table.shape[1] < 1:
+        raise ValueError(f"page_table must be int32 [{batch}, max_pages >= 1], got "
+                         f"{table.dtype.name} {table.shape}")
+    lengths = check_seq_lengths(kv_lens, "kv_lens", batch)
+    seqlen_k = table.shape[1] * page_size
+    _check_concrete_pages(page_table, kv_lens, num_pages, page_size, seqlen_k)
+    return (q, k, v, table, lengths), Dims(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim)
+
+
+def _check_concrete_pages(page_table, kv_lens, num_pages: int, page_size: int,
+                          seqlen_k: int) -> None:
+    lengths, table = concrete_ints(kv_lens), concrete_ints(page_table)
+    if lengths is None:
+        return
+    if (lengths < 0).any() or (lengths > seqlen_k).any():
+        raise ValueError(f"kv_lens must lie in [0, max_pages * page_size = {seqlen_k}], got "
+                         f"{lengths.tolist()}")
+    if table is None:
+        return
+    used = np.arange(table.shape[1]) * page_size < lengths[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, slot = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"page_table[{b}, {slot}] = {table[b, slot]} names no page of the pool "
+                         f"(num_pages {num_pages}), and kv_lens[{b}] = {lengths[b]} reaches it")
 
 
 def dims_of(q: jax.Array, k: jax.Array) -> Dims:

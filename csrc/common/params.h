@@ -38,6 +38,9 @@ constexpr int64_t kGateBlockK = 128;
 // Softmax-threshold tile skipping (AttentionShape::softmax_threshold) decides on the same grid.
 constexpr int64_t kSkipBlockQ = kGateBlockQ;
 constexpr int64_t kSkipBlockK = kGateBlockK;
+// A paged KV cache's page size is a multiple of this (KvPages): every kernel's key tile (at
+// most this many keys, starting at a multiple of it) then lies in one page.
+constexpr int64_t kPageSizeMultiple = 64;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -87,8 +90,34 @@ struct BroadcastOperand {
   DMATTN_HD bool broadcast_over_cols() const { return col_stride == 0; }
 };
 
+// A paged KV cache (forward only): k and v are pools [num_pages, page_size, Hk, D] shared by the
+// batch, and key j of batch entry b is row j % page_size of page page_table[b][j / page_size]
+// (page_table int32 [*batch|1, Lk / page_size]). Viewed as [num_pages * page_size, Hk, D] rows,
+// that is row page * page_size + j % page_size. A page index outside [0, num_pages) is clamped
+// into it: a table entry a sequence's length reaches must name a page (the Python front end
+// checks tables it can see), and a wrong one is never read past the pool.
+struct KvPages {
+  int64_t page_size = 0;  // 0: k and v are contiguous [*batch|1, Lk, Hk, D]
+  int64_t num_pages = 0;
+  int64_t max_pages = 0;     // the table's row length: Lk / page_size
+  BatchStrides table_batch;  // in elements of the table
+
+  DMATTN_HD bool present() const { return page_size > 0; }
+  DMATTN_HD const int32_t* table_row(const int32_t* table, const BatchShape& batch,
+                                     int64_t b) const {
+    return table + table_batch.offset(batch, b);
+  }
+  // The pool row of key j for a sequence whose table row is `row`.
+  DMATTN_HD int64_t key_row(const int32_t* row, int64_t j) const {
+    int64_t page = row[j / page_size];
+    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+    return page * page_size + j % page_size;
+  }
+};
+
 // Shapes, layouts and the math of one call.
 //   q, out, dout, dq: [*batch, Lq, H, D]   k, v: [*batch|1, Lk, Hk, D]   dk, dv: [*batch|1, ...]
+//                                      (k, v paged: KvPages, forward only)
 //   lse, softmax_d:   [*batch, H, Lq] fp32 q_lens, kv_lens: [*batch|1] int32
 //   q_segments: [*batch|1, Lq] int32     kv_segments: [*batch|1, Lk] int32 (the same batch dims)
 //   key_start, key_end: [*batch|1, H|Hk|1, 1, Lk] int32 (the same dims)
@@ -105,7 +134,8 @@ struct AttentionShape {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   ElementType dtype = ElementType::kFloat32;  // q, k, v, out, bias (and their gradients)
 
-  BatchStrides kv_batch;       // k, v
+  BatchStrides kv_batch;       // k, v (all 0 when paged)
+  KvPages pages;               // a paged k and v, or page_size 0
   BatchStrides dkv_batch;      // dk, dv (backward only)
   BatchStrides seqlens_batch;  // q_lens, kv_lens
   bool has_seqlens = false;
@@ -222,6 +252,7 @@ struct ForwardArgs {
   const void* bias = nullptr;
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
+  const int32_t* page_table = nullptr;  // a paged k and v (AttentionShape::pages), or null
   const int32_t* q_segments = nullptr;
   const int32_t* kv_segments = nullptr;
   const int32_t* key_start = nullptr;  // key ranges, or null

@@ -94,9 +94,9 @@ void AttendToVisibleKeys(const AttentionShape& shape, const ForwardArgs& args,
   for (int64_t kb = keys.begin / kBlockN; kb < kb_end; ++kb) {
     const Tile t = MakeTile(item, qb, kb);
     if (!TileHasVisibleKey(shape, item, mask, t)) continue;
-    LoadTransposed(k + t.j0 * kv_stride, kv_stride, t.cols, dim, tiles.kt.get(), kBlockN,
-                   t.padded_cols());
-    LoadRows(v + t.j0 * kv_stride, kv_stride, t.cols, dim, 1.f, tiles.v.get(), dp, t.cols);
+    const int64_t first = KeyTileRow(shape, item, t.j0) * kv_stride;
+    LoadTransposed(k + first, kv_stride, t.cols, dim, tiles.kt.get(), kBlockN, t.padded_cols());
+    LoadRows(v + first, kv_stride, t.cols, dim, 1.f, tiles.v.get(), dp, t.cols);
     ComputeScores(shape, item, mask, bias, t, tiles.q.get(), dp, tiles.kt.get(), tiles.s.get(),
                   nullptr);
     OnlineSoftmaxStep(t, dp, tiles);

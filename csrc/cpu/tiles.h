@@ -26,6 +26,8 @@ static_assert(kGateBlockQ % kBlockM == 0 && kGateBlockK % kBlockN == 0,
 // kSkipBlockQ / kBlockM × kSkipBlockK / kBlockN tiles, the backward skips a tile by its block.
 static_assert(kSkipBlockQ % kBlockM == 0 && kSkipBlockK % kBlockN == 0,
               "CPU tiles must nest in the softmax-threshold grid");
+// A key tile of a paged cache lies in one page, so its rows are kv_row_stride apart.
+static_assert(kPageSizeMultiple % kBlockN == 0, "CPU key tiles must nest in a cache's pages");
 
 inline int64_t NumBlocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
@@ -65,6 +67,8 @@ struct HeadItem {
   // The blocks the forward's softmax threshold dropped (this item's [ceil(Lq / kSkipBlockQ),
   // ceil(Lk / kSkipBlockK)] rows of the drop map), in the backward only; else null.
   const uint8_t* drop_map = nullptr;
+  // The item's row of a paged cache's page table (common/params.h: KvPages), or null.
+  const int32_t* page_table = nullptr;
 };
 
 // Args: ForwardArgs or BackwardArgs (their lengths, segment ids, key and row ranges, block
@@ -110,6 +114,8 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
   }
   if constexpr (std::is_same_v<Args, BackwardArgs>) {
     if (args.drop_map != nullptr) item.drop_map = args.drop_map + shape.drop_map_offset(b, h);
+  } else if (shape.pages.present()) {
+    item.page_table = shape.pages.table_row(args.page_table, shape.batch, b);
   }
   item.q_offset = shape.q_offset(b, h);
   item.kv_offset = shape.kv_offset(b, h / shape.heads_per_kv_head());
@@ -117,6 +123,12 @@ HeadItem MakeHeadItem(const AttentionShape& shape, const Args& args, int64_t b, 
   if (shape.mask.present) item.mask_offset = shape.mask.offset(shape.batch, b, h);
   if (shape.bias.present) item.bias_offset = shape.bias.offset(shape.batch, b, h);
   return item;
+}
+
+// The row of k and v (counted from the item's kv_offset in kv_row_stride steps) where the key
+// tile starting at j0 starts: j0, or its row in a paged cache's pool.
+inline int64_t KeyTileRow(const AttentionShape& shape, const HeadItem& item, int64_t j0) {
+  return item.page_table != nullptr ? shape.pages.key_row(item.page_table, j0) : j0;
 }
 
 // The visible part of one tile: rows below q_len, keys below kv_len.

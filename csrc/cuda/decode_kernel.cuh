@@ -43,6 +43,7 @@ struct DecodeTraits {
   static constexpr int NTO = D / 8;   // 8-col tiles of O
   static_assert(NW % KG == 0 && KW % 16 == 0, "whole 16-key slices per warp");
   static_assert(kStages >= 2, "a ring");
+  static_assert(kPageSizeMultiple % BN == 0, "a key tile of a paged cache lies in one page");
 
   static constexpr int kTileBytes = BN * D * 2;
   static constexpr int kOffRing = RM * D * 2;  // after the Q tile
@@ -124,6 +125,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   const int64_t q_rs = s.q_row_stride(), kv_rs = s.kv_row_stride();
   const T* kg_ptr = static_cast<const T*>(p.k) + s.kv_offset(b, hk);
   const T* vg_ptr = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
+  const int32_t* page_row =
+      p.page_table != nullptr ? s.pages.table_row(p.page_table, s.batch, b) : nullptr;
   const bool has_mask = p.mask != nullptr, has_bias = p.bias != nullptr;
 
   // Key blocks the CTA's query rows may see by position and length, and this split's share.
@@ -184,7 +187,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   }
   auto load_tile = [&](int slot, int n) {
     T* sK = ring + slot * 2 * BN * D;
-    const int64_t at = static_cast<int64_t>(n) * BN * kv_rs;
+    const int64_t j0 = static_cast<int64_t>(n) * BN;  // a paged tile lies in one page
+    const int64_t at = (page_row != nullptr ? s.pages.key_row(page_row, j0) : j0) * kv_rs;
     load_tile_async<BN, D, NT>(sK, kg_ptr + at, kv_rs, L.kv_len - n * BN, tid);
     load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + at, kv_rs, L.kv_len - n * BN, tid);
   };

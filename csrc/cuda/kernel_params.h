@@ -104,6 +104,7 @@ struct FwdParams {
   const void* bias;     // null when absent
   const int32_t* q_lens;
   const int32_t* kv_lens;
+  const int32_t* page_table;  // a paged k and v (the decode forward only), or null
   // Null without segment ids: [segment rows, Lq] / [segment rows, Lk], and their spans.
   const int32_t* q_segments;
   const int32_t* kv_segments;

@@ -404,6 +404,8 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
     return cudaErrorInvalidValue;
   }
+  // Only the decode forward reads a paged cache: the front end gathers the pages of other calls.
+  if (shape.pages.present() && !DecodeTakes(shape)) return cudaErrorNotSupported;
   FwdParams p{};
   p.s = shape;
   p.q = args.q;
@@ -413,6 +415,7 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.bias = shape.bias.present ? args.bias : nullptr;
   p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
   p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
+  p.page_table = shape.pages.present() ? args.page_table : nullptr;
   p.out = args.out;
   p.out_f32 = args.out_f32;
   p.lse = args.lse;

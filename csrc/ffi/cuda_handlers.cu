@@ -39,6 +39,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: the CUDA kernels do not take a gate (gated attention) yet "
                       "(issue 27)");
   }
+  if (shape.pages.present() && std::string(cuda::ForwardKernelName(shape)) != "decode") {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jax_dmattn: only the CUDA decode forward reads a paged cache, and it does "
+                      "not take this call (the front end gathers the pages of such calls)");
+  }
   if (shape.mask.present && (mask_map == nullptr || mask_bits == nullptr)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: a CUDA call with a mask needs its mask_map and mask_bits "

@@ -110,39 +110,21 @@ ffi::Error DecodeHeadWindows(ffi::Span<const int64_t> table, AttentionShape* s) 
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         const AttentionAttrs& attrs, AttentionShape* s) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+// q's dims and dtype, and the attributes every call shares.
+ffi::Error DecodeQuery(ffi::AnyBuffer q, const AttentionAttrs& attrs, AttentionShape* s) {
+  const auto qd = q.dimensions();
   const int64_t rank = qd.size();
   if (rank < 3 || rank - 3 > kMaxBatchDims) {
     return Invalid("q must have rank 3.." + std::to_string(3 + kMaxBatchDims) + ", got " +
                    DimsString(qd));
-  }
-  if (static_cast<int64_t>(kd.size()) != rank || kd.size() != vd.size()) {
-    return Invalid("q, k, v ranks differ: " + DimsString(qd) + DimsString(kd) + DimsString(vd));
   }
   s->batch.rank = static_cast<int32_t>(rank - 3);
   for (int d = 0; d < s->batch.rank; ++d) s->batch.sizes[d] = qd[d];
   s->seqlen_q = qd[rank - 3];
   s->num_heads = qd[rank - 2];
   s->head_dim = qd[rank - 1];
-  s->seqlen_k = kd[rank - 3];
-  s->num_kv_heads = kd[rank - 2];
-  for (int64_t d = 0; d < rank; ++d) {
-    if (kd[d] != vd[d]) return Invalid("k and v shapes differ");
-  }
-  if (kd[rank - 1] != s->head_dim || s->num_kv_heads <= 0 || s->num_heads % s->num_kv_heads) {
-    return Invalid("k " + DimsString(kd) + " does not match q " + DimsString(qd));
-  }
-  if (s->seqlen_q <= 0 || s->seqlen_k <= 0 || s->head_dim <= 0) {
-    return Invalid("empty q or k: " + DimsString(qd) + DimsString(kd));
-  }
   DMATTN_ASSIGN_OR_RETURN(dtype, AttentionElementType(q.element_type()));
   s->dtype = dtype;
-  if (auto e = ExpectSameType(k, q.element_type(), "k"); e.failure()) return e;
-  if (auto e = ExpectSameType(v, q.element_type(), "v"); e.failure()) return e;
-  DMATTN_ASSIGN_OR_RETURN(kv_batch, BroadcastBatchStrides(kd, s->batch, "k"));
-  s->kv_batch = kv_batch;
 
   s->scale = attrs.scale;
   s->softcap = attrs.softcap;
@@ -156,7 +138,73 @@ ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (!(attrs.softmax_threshold >= 0.0) || std::isinf(attrs.softmax_threshold))
     return Invalid("softmax_threshold must be finite and >= 0");
   s->softmax_threshold = attrs.softmax_threshold;
+  return ffi::Error::Success();
+}
+
+// k and v of one shape and q's dtype, whose heads divide q's; the problem's sizes checked.
+ffi::Error ExpectKeysAndValues(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               AttentionShape* s) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (!SameDims(kd, v.dimensions())) return Invalid("k and v shapes differ");
+  if (kd.back() != s->head_dim || s->num_kv_heads <= 0 || s->num_heads % s->num_kv_heads) {
+    return Invalid("k " + DimsString(kd) + " does not match q " + DimsString(qd));
+  }
+  if (s->seqlen_q <= 0 || s->seqlen_k <= 0 || s->head_dim <= 0) {
+    return Invalid("empty q or k: " + DimsString(qd) + DimsString(kd));
+  }
+  if (auto e = ExpectSameType(k, q.element_type(), "k"); e.failure()) return e;
+  return ExpectSameType(v, q.element_type(), "v");
+}
+
+// Contiguous k, v: [*batch|1, Lk, Hk, D], q's rank.
+ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         const AttentionAttrs& attrs, AttentionShape* s) {
+  if (attrs.page_size != 0) return Invalid("page_size is for the forward only");
+  if (auto e = DecodeQuery(q, attrs, s); e.failure()) return e;
+  const auto kd = k.dimensions();
+  const int64_t rank = q.dimensions().size();
+  if (static_cast<int64_t>(kd.size()) != rank) {
+    return Invalid("q, k ranks differ: " + DimsString(q.dimensions()) + DimsString(kd));
+  }
+  s->seqlen_k = kd[rank - 3];
+  s->num_kv_heads = kd[rank - 2];
+  if (auto e = ExpectKeysAndValues(q, k, v, s); e.failure()) return e;
+  DMATTN_ASSIGN_OR_RETURN(kv_batch, BroadcastBatchStrides(kd, s->batch, "k"));
+  s->kv_batch = kv_batch;
   return DecodeHeadWindows(attrs.window_sizes, s);
+}
+
+// Paged k, v: pools [num_pages, page_size, Hk, D] and their page table int32
+// [*batch|1, max_pages]; Lk = max_pages * page_size.
+ffi::Error DecodePagedProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::AnyBuffer table, const AttentionAttrs& attrs,
+                              AttentionShape* s) {
+  if (auto e = DecodeQuery(q, attrs, s); e.failure()) return e;
+  const auto kd = k.dimensions(), td = table.dimensions();
+  const int64_t page_size = attrs.page_size;
+  if (page_size % kPageSizeMultiple != 0 || kd.size() != 4 || kd[1] != page_size || kd[0] < 1) {
+    return Invalid("paged k must be [num_pages >= 1, page_size, Hk, D] with page_size a "
+                   "multiple of " + std::to_string(kPageSizeMultiple) + ", got " +
+                   DimsString(kd) + " for page_size " + std::to_string(page_size));
+  }
+  if (table.element_type() != ffi::DataType::S32 ||
+      static_cast<int>(td.size()) != s->batch.rank + 1) {
+    return Invalid("page_table must be int32 [*batch, max_pages], got " + DimsString(td));
+  }
+  if (attrs.has_segments || attrs.has_key_ranges || attrs.has_row_ranges ||
+      attrs.has_block_indices || attrs.has_gate || attrs.softmax_threshold > 0.0 ||
+      attrs.window_sizes.size() != 0 || !attrs.has_seqlens) {
+    return Invalid("a paged call takes sequence lengths, a mask and a bias only");
+  }
+  s->num_kv_heads = kd[2];
+  s->seqlen_k = td.back() * page_size;
+  if (auto e = ExpectKeysAndValues(q, k, v, s); e.failure()) return e;
+  DMATTN_ASSIGN_OR_RETURN(table_batch, BroadcastBatchStrides(td, s->batch, "page_table"));
+  s->pages.page_size = page_size;
+  s->pages.num_pages = kd[0];
+  s->pages.max_pages = td.back();
+  s->pages.table_batch = table_batch;
+  return ffi::Error::Success();
 }
 
 // A mask or bias: [*batch|1, H|Hk|1, Lq|1, Lk|1].
@@ -483,7 +531,13 @@ ffi::Error DecodeForward(const Buffers& args, const Buffers& rets, const Attenti
   DMATTN_ASSIGN_OR_RETURN(q, in.Next("q"));
   DMATTN_ASSIGN_OR_RETURN(k, in.Next("k"));
   DMATTN_ASSIGN_OR_RETURN(v, in.Next("v"));
-  if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) return e;
+  if (attrs.page_size > 0) {
+    DMATTN_ASSIGN_OR_RETURN(table, in.Next("page_table"));
+    if (auto e = DecodePagedProblem(q, k, v, table, attrs, s); e.failure()) return e;
+    p->page_table = static_cast<const int32_t*>(table.untyped_data());
+  } else if (auto e = DecodeProblem(q, k, v, attrs, s); e.failure()) {
+    return e;
+  }
   if (auto e = DecodeOptionalOperands(in, attrs, q.element_type(), s, p); e.failure()) {
     return e;
   }

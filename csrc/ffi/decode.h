@@ -1,7 +1,7 @@
 // Decoding of an FFI call frame into the one params struct, for both platforms.
 //
 // Operand order (mirrored by jax_dmattn/_primitives/_ffi.py):
-//   forward  args: q, k, v, [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
+//   forward  args: q, k, v, [page_table], [mask], [bias], [q_lens, kv_lens], [q_segments, kv_segments],
 //                  [key_start, key_end], [row_start, row_end], [block_indices],
 //                  [alpha, delta], [mask_map, mask_bits]
 //            rets: out, lse, [drop_map], [platform workspaces]
@@ -9,6 +9,8 @@
 //                  [q_segments, kv_segments], [key_start, key_end], [row_start, row_end],
 //                  [block_indices], [alpha, delta], [drop_map], [mask_map, mask_bits]
 //            rets: dq, dk, dv, [dbias], [dalpha, ddelta], softmax_d, [platform workspaces]
+// page_table: with page_size > 0, k and v are pools [num_pages, page_size, Hk, D] read through it
+// (common/params.h: KvPages); kv_lens are required then.
 // mask_map, mask_bits: the CUDA kernels' mask block map and bit-packed mask (cuda/attention.h),
 // which they need with a mask.
 #pragma once
@@ -45,6 +47,9 @@ struct AttentionAttrs {
   // Softmax-threshold skipping (> 0; 0: off): the forward's drop_map result, the backward's
   // drop_map operand.
   double softmax_threshold;
+  // A paged k and v (forward only): the pool's page size, a multiple of kPageSizeMultiple; 0:
+  // contiguous.
+  int64_t page_size;
 };
 
 // A call's operands or results, in the order above.
@@ -96,4 +101,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("block_q"), ::xla::ffi::StructMember<int64_t>("block_k"),
     ::xla::ffi::StructMember<bool>("deterministic"), ::xla::ffi::StructMember<bool>("has_gate"),
     ::xla::ffi::StructMember<double>("gate_cut"),
-    ::xla::ffi::StructMember<double>("softmax_threshold"));
+    ::xla::ffi::StructMember<double>("softmax_threshold"),
+    ::xla::ffi::StructMember<int64_t>("page_size"));

@@ -147,17 +147,22 @@ def _merged(shape: tuple[int, ...], num_batch: int, groups: list[list[int]]) -> 
 
 
 def _call(target: str, operands: list, results: list[tuple[tuple[int, ...], object]],
-          num_batch: int, attrs: dict, extra_workspaces=None) -> list:
+          num_batch: int, attrs: dict, extra_workspaces=None,
+          unbatched: frozenset[int] = frozenset()) -> list:
     """Calls `target` with batch dims merged; returns `results` in their unmerged shapes.
 
     ``extra_workspaces(merged operand shapes, merged result shapes)`` may add results (flat
     workspaces whose size depends on what the kernel sees); they are dropped on return.
+    `unbatched`: positions of operands without batch dims (a paged cache's pools), passed as
+    they are.
     """
     full = tuple(operands[0].shape[:num_batch])
-    batch_shapes = [tuple(x.shape[:num_batch]) for x in operands]
+    batched = [x for i, x in enumerate(operands) if i not in unbatched]
+    batch_shapes = [tuple(x.shape[:num_batch]) for x in batched]
     batch_shapes += [tuple(shape[:num_batch]) for shape, _ in results]
     groups = _batch_groups(batch_shapes, full)
-    args = [x.reshape(_merged(x.shape, num_batch, groups)) for x in operands]
+    args = [x if i in unbatched else x.reshape(_merged(x.shape, num_batch, groups))
+            for i, x in enumerate(operands)]
     result_types = [jax.ShapeDtypeStruct(_merged(shape, num_batch, groups), dtype)
                     for shape, dtype in results]
     if extra_workspaces is not None:
@@ -176,10 +181,38 @@ def call_forward(platform: str, params, opts, q, k, v, *extras) -> list:
         results.append((_drop_map_shape(q.shape, k.shape[-3]), np.uint8))
     workspaces = None
     if platform == "cuda":
-        extras = _with_mask_map(params, opts, extras, seqlen_q, k.shape[-3])
+        extras = _with_mask_map(params, opts.split(extras)[0], extras, seqlen_q, k.shape[-3])
         workspaces = _cuda_forward_workspaces(params, opts)
     return _call(FORWARD_TARGET, [q, k, v, *extras], results, q.ndim - 3,
                  opts.ffi_attributes(params), workspaces)
+
+
+def call_paged_forward(platform: str, params, q, k_pages, v_pages, page_table, q_lens, kv_lens,
+                       mask=None, bias=None) -> list:
+    """``[out, lse]`` from the platform's forward kernel reading a paged cache in place: q
+    ``[*B, Lq, H, D]``, pools ``[P, page_size, Hk, D]``, page_table int32 ``[*B|1, max_pages]``,
+    the lengths int32 ``[*B|1]``, mask and bias ``[*B|1, H|Hk|1, Lq|1, Lk|1]`` with
+    ``Lk = max_pages * page_size``. On ``cuda`` only calls that the decode forward takes
+    (:func:`cuda_forward_kernel`)."""
+    register_targets()
+    *batch, seqlen_q, heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    seqlen_k = page_table.shape[-1] * page_size
+    results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
+    extras = tuple(x for x in (mask, bias) if x is not None) + (q_lens, kv_lens)
+    workspaces = None
+    if platform == "cuda":
+        extras = _with_mask_map(params, mask, extras, seqlen_q, seqlen_k)
+
+        def workspaces(arg_shapes, result_shapes):
+            keys = (arg_shapes[0][0], seqlen_k, kv_heads, head_dim)
+            return [((max(_extension().cuda_forward_workspace_bytes(arg_shapes[0], keys), 1),),
+                     np.uint8)]
+
+    attrs = params.ffi_attributes(has_mask=mask is not None, has_bias=bias is not None,
+                                  has_seqlens=True, page_size=page_size)
+    return _call(FORWARD_TARGET, [q, k_pages, v_pages, page_table, *extras], results, q.ndim - 3,
+                 attrs, workspaces, unbatched=frozenset({1, 2}))
 
 
 def _drop_map_shape(q_shape, seqlen_k: int) -> tuple[int, ...]:
@@ -201,7 +234,8 @@ def call_backward(platform: str, params, opts, q, k, v, out, dout, lse, dlse, *e
     workspaces = [(lse.shape, np.float32)]  # softmax_d
     extra = None
     if platform == "cuda":
-        extras = _with_mask_map(params, opts, extras, q.shape[-3], k.shape[-3])
+        extras = _with_mask_map(params, opts.split(extras)[0], extras, q.shape[-3],
+                                 k.shape[-3])
         workspaces.append((q.shape, np.float32))  # dq accumulator
         extra = _cuda_backward_workspaces(params, opts)
     outs = _call(BACKWARD_TARGET, [q, k, v, out, dout, lse, dlse, *extras], grads + workspaces,
@@ -228,10 +262,9 @@ def call_mask_map(mask, params: AttentionParams | None = None) -> tuple[jax.Arra
     return cells, bits
 
 
-def _with_mask_map(params: AttentionParams, opts, extras: tuple, seqlen_q: int,
+def _with_mask_map(params: AttentionParams, mask, extras: tuple, seqlen_q: int,
                    seqlen_k: int) -> tuple:
-    """The CUDA kernels' extra operands: the mask's block map and bits after the others."""
-    mask = opts.split(extras)[0]
+    """The CUDA kernels' extra operands: `mask`'s block map and bits after the others."""
     if mask is None:
         return extras
     full = mask.shape[-2:] == (seqlen_q, seqlen_k)  # neither queries nor keys broadcast

@@ -13,6 +13,11 @@ get the full batch dims (an unmapped one is broadcast; vmap's custom_vjp rule su
 per-example gradient). The backward's drop map (softmax-threshold skipping) likewise.
 Dynamic attention's key-list helpers (the listed keys' gradient sum, the block range masks)
 broadcast any unmapped operand.
+
+The paged forward: its pools have no batch dims. Unmapped pools stay shared by every example; a
+mapped pool (each example its own pages) becomes one pool of the examples' pages side by side,
+each example's page table offset to its own (the other pool is broadcast if only one is mapped,
+a copy of the pool). The page table and the lengths follow the rules above.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax.numpy as jnp
 from jax.interpreters import batching
 
 from jax_dmattn import masks
-from jax_dmattn._primitives import ops
+from jax_dmattn._primitives import ops, paged
 
 
 def _leading(x, dim, size: int, broadcast: bool):
@@ -78,6 +83,28 @@ batching.primitive_batchers[ops.forward_p] = _batch(ops.forward_p, frozenset({0}
 # q, out, dout, lse, dlse are query-shaped (operands 0 and 3..6).
 batching.primitive_batchers[ops.backward_p] = _batch(ops.backward_p, frozenset({0, 3, 4, 5, 6}),
                                                        7)
+
+
+def _batch_paged(args, dims, *, params, has_mask, has_bias):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    q, k, v, table, q_lens, kv_lens, *extras = (
+        x if i in (1, 2) else _leading(x, d, size, broadcast=i == 0)
+        for i, (x, d) in enumerate(zip(args, dims, strict=True)))
+    if dims[1] is not None or dims[2] is not None:
+        k, v = (_leading(x, d, size, broadcast=True) for x, d in zip(args[1:3], dims[1:3],
+                                                                      strict=True))
+        pages = k.shape[1]
+        first_page = jnp.arange(size, dtype=jnp.int32) * pages
+        table = jnp.clip(table, 0, pages - 1) + first_page.reshape(size, *[1] * (table.ndim - 1))
+        k, v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))
+    if (dims[4] is None) != (dims[5] is None):
+        q_lens, kv_lens = (jnp.broadcast_to(x, (size, *x.shape[1:])) for x in (q_lens, kv_lens))
+    outs = paged.paged_forward_p.bind(q, k, v, table, q_lens, kv_lens, *extras, params=params,
+                                      has_mask=has_mask, has_bias=has_bias)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[paged.paged_forward_p] = _batch_paged
 
 
 def _batch_every_operand(primitive):
