@@ -4,7 +4,9 @@ Each implementation is timed in this one process on the same bf16 inputs (random
 forward only): back to back, 20 calls then one ``block_until_ready``, best of 3, after warm-up
 (DESIGN.md §5). Columns: jax_dmattn with the dispatcher's choice (its kernel named by
 ``_ffi.cuda_forward_kernel``), jax_dmattn with the FlashAttention-2-class forward forced (the path
-before the decode kernel), cuDNN and XLA (``jax.nn.dot_product_attention``).
+before the decode kernel), jax_dmattn's ``paged_attention`` over the same keys in a paged cache
+(64-key pages scattered in a pool, the full lengths), cuDNN and XLA
+(``jax.nn.dot_product_attention``).
 
 A decode call reads the whole cache once, so each time is also given as the rate of K/V bytes
 read, ``2·B·Lk·Hk·D·2`` bytes / time, beside the device-to-device copy bandwidth measured in the
@@ -14,7 +16,8 @@ bandwidthTest counts it).
 Workloads: B8 Lq1 Lk32k, B1 Lq1 Lk128k and B8 Lq16 Lk32k, H32 Hk8, each without and with a
 per-key bias ``[B, H, 1, Lk]``, and B8 Lq1 Lk32k with a bool mask ``[B, 1, 1, Lk]`` (~90 % True).
 Issue 26's targets: B8 Lq1 Lk32k >= 1.0x cuDNN with K/V read >= 85 % of the copy bandwidth,
-B1 Lq1 Lk128k and B8 Lq16 >= 1.0x cuDNN, a per-key bias <= 10 % over no bias.
+B1 Lq1 Lk128k and B8 Lq16 >= 1.0x cuDNN, a per-key bias <= 10 % over no bias, a paged cache
+(page size 64 or more) <= 5 % over the contiguous one.
 
     python benchmarks/decode.py [--smoke] [--out benchmarks/results]
 
@@ -45,9 +48,10 @@ from jax_dmattn import _timing as timing
 CALLS, REPEATS, WARMUP_S = 20, 3, 0.3
 DTYPE = jnp.bfloat16
 COPY_BYTES = 1 << 30
-IMPLS = ("ours", "ours_flash2", "cudnn", "xla")
-NAMES = {"ours": "jax_dmattn", "ours_flash2": "jax_dmattn (FA2-class fwd)", "cudnn": "cuDNN",
-         "xla": "XLA"}
+IMPLS = ("ours", "ours_paged", "ours_flash2", "cudnn", "xla")
+NAMES = {"ours": "jax_dmattn", "ours_paged": "jax_dmattn paged",
+         "ours_flash2": "jax_dmattn (FA2-class fwd)", "cudnn": "cuDNN", "xla": "XLA"}
+PAGE_SIZE = 64
 EXTRAS = {"none": "", "bias": " + per-key bias [B,H,1,Lk]", "mask": " + mask [B,1,1,Lk] 90 %"}
 
 
@@ -97,7 +101,8 @@ def workloads(smoke: bool) -> list[Workload]:
 
 
 def make_inputs(w: Workload) -> dict[str, jax.Array | None]:
-    """Random normal q, k, v (and bias) in bf16; the mask ~90 % True."""
+    """Random normal q, k, v (and bias) in bf16; the mask ~90 % True; k and v also as a paged
+    cache (pools of PAGE_SIZE-key pages in random order, their table, the full lengths)."""
     keys = jax.random.split(jax.random.PRNGKey(w.batch * 131 + w.seqlen_q * 7 + w.seqlen_k), 5)
     q = jax.random.normal(keys[0], (w.batch, w.seqlen_q, w.heads, w.head_dim), DTYPE)
     k, v = (jax.random.normal(key, (w.batch, w.seqlen_k, w.kv_heads, w.head_dim), DTYPE)
@@ -107,7 +112,16 @@ def make_inputs(w: Workload) -> dict[str, jax.Array | None]:
         bias = jax.random.normal(keys[3], (w.batch, w.heads, 1, w.seqlen_k), DTYPE)
     elif w.extra == "mask":
         mask = jax.random.bernoulli(keys[4], 0.9, (w.batch, 1, 1, w.seqlen_k))
-    return dict(q=q, k=k, v=v, mask=mask, bias=bias)
+    paged = {}
+    if w.seqlen_k % PAGE_SIZE == 0:
+        pages = w.batch * w.seqlen_k // PAGE_SIZE
+        order = jax.random.permutation(keys[0], pages).astype(jnp.int32)
+        k_pages, v_pages = (jnp.zeros((pages, PAGE_SIZE, w.kv_heads, w.head_dim), DTYPE)
+                            .at[order].set(x.reshape(pages, PAGE_SIZE, w.kv_heads, w.head_dim))
+                            for x in (k, v))
+        paged = dict(k_pages=k_pages, v_pages=v_pages, page_table=order.reshape(w.batch, -1),
+                     kv_lens=jnp.full((w.batch,), w.seqlen_k, jnp.int32))
+    return dict(q=q, k=k, v=v, mask=mask, bias=bias, paged=paged)
 
 
 def back_to_back_ms(fn: Callable, *args) -> float:
@@ -175,6 +189,15 @@ def run_workload(w: Workload, implementation: str, on_gpu: bool) -> dict:
     cells["ours"] = time_cell(ours, args, reference, w.kv_bytes)
     if reference is None:
         reference = cells["ours"].get("out")
+    if x["paged"]:
+        p = x["paged"]
+        paged = jax.jit(lambda q, kp, vp, t, n, m, b: jax_dmattn.paged_attention(
+            q, kp, vp, t, n, m, b, implementation=implementation))
+        cells["ours_paged"] = time_cell(paged, (x["q"], p["k_pages"], p["v_pages"],
+                                                p["page_table"], p["kv_lens"], x["mask"],
+                                                x["bias"]), reference, w.kv_bytes)
+    else:
+        cells["ours_paged"] = {"error": f"Lk is no multiple of the page size {PAGE_SIZE}"}
     if on_gpu:
         set_forward_kernel("flash2")
         try:
@@ -218,14 +241,16 @@ def copy_bandwidth(nbytes: int) -> dict:
 
 
 def add_derived(rows: list[dict], copy: dict) -> None:
-    """Per row: the bias cost (ours with bias / ours without, same config) and our K/V read rate
-    over the copy bandwidth."""
+    """Per row: the bias cost (ours with bias / ours without, same config), the paged cache's
+    cost (paged / contiguous, same row) and our K/V read rate over the copy bandwidth."""
     plain = {r["config"]: r["cells"]["ours"].get("ms") for r in rows
              if r["workload"]["extra"] == "none"}
     for r in rows:
         ms = r["cells"]["ours"].get("ms")
         base = plain.get(r["config"])
         r["extra_cost"] = ms / base if ms and base and r["workload"]["extra"] != "none" else None
+        paged = r["cells"]["ours_paged"].get("ms")
+        r["paged_cost"] = paged / ms if paged and ms else None
         rate = r["cells"]["ours"].get("kv_tb_s")
         r["kv_of_copy"] = rate / copy["tb_s"] if rate and copy.get("tb_s") else None
 
@@ -251,6 +276,9 @@ def acceptance(rows: list[dict], smoke: bool) -> list[dict]:
     for config in (b8, b1, b8q16):
         check("per-key bias / no bias <= 1.10", config + EXTRAS["bias"], "extra_cost", 1.10,
               False)
+    for config in (b8, b1, b8q16):
+        check(f"paged ({PAGE_SIZE}-key pages) / contiguous <= 1.05", config, "paged_cost",
+              1.05, False)
     return checks
 
 
@@ -287,14 +315,16 @@ def markdown(meta: dict, rows: list[dict], copy: dict, checks: list[dict]) -> st
         "- each cell: ms (K/V read rate in TB/s: 2·B·Lk·Hk·D·2 bytes of K and V / time); "
         "×cuDNN = cuDNN ms / jax_dmattn ms; ×FA2 = the FA2-class forward's ms / jax_dmattn ms "
         "(before / after the decode kernel); bias cost = jax_dmattn with / without the bias or "
-        "mask; relative errors against XLA's output",
+        f"mask; paged cost = jax_dmattn over a paged cache ({PAGE_SIZE}-key pages in random "
+        "order, every sequence's full length) / over the contiguous one; relative errors "
+        "against XLA's output",
         f"- device-to-device copy bandwidth, same run: {copy_text}, a jitted `x + 1` of a bf16 "
         "array, (read + write) bytes / time as CUDA's bandwidthTest counts; "
         "K/V / copy = jax_dmattn's K/V read rate over it",
         "",
         "| workload | kernel | " + " | ".join(f"{NAMES[i]} ms (TB/s)" for i in IMPLS)
-        + " | ×cuDNN | ×FA2 | K/V / copy | bias cost | max rel. err |",
-        "|---|---|" + "---|" * len(IMPLS) + "---|---|---|---|---|",
+        + " | ×cuDNN | ×FA2 | K/V / copy | bias cost | paged cost | max rel. err |",
+        "|---|---|" + "---|" * len(IMPLS) + "---|---|---|---|---|---|",
     ]
     for r in rows:
         errs = [c["err"] for c in r["cells"].values() if "err" in c]
@@ -303,7 +333,8 @@ def markdown(meta: dict, rows: list[dict], copy: dict, checks: list[dict]) -> st
             + " | ".join(fmt_cell(r["cells"][i]) for i in IMPLS)
             + f" | {fmt(r['speedup_vs_cudnn'], '.2f', '×')} | "
             f"{fmt(r['speedup_vs_flash2'], '.2f', '×')} | {fmt(r['kv_of_copy'], '.0%')} | "
-            f"{fmt(r['extra_cost'], '.3f', '×')} | {fmt(max(errs) if errs else None, '.1e')} |")
+            f"{fmt(r['extra_cost'], '.3f', '×')} | {fmt(r['paged_cost'], '.3f', '×')} | "
+            f"{fmt(max(errs) if errs else None, '.1e')} |")
     notes = sorted({n for r in rows for n in r["notes"]})
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
@@ -319,7 +350,7 @@ def markdown(meta: dict, rows: list[dict], copy: dict, checks: list[dict]) -> st
 
 def short_table(rows: list[dict]) -> str:
     head = (f"{'workload':52s} {'kernel':13s} {'ours ms':>8s} {'FA2 ms':>8s} {'cuDNN ms':>8s} "
-            f"{'xcuDNN':>7s} {'K/V TB/s':>8s} {'of copy':>7s} {'extra':>6s}")
+            f"{'xcuDNN':>7s} {'K/V TB/s':>8s} {'of copy':>7s} {'extra':>6s} {'paged':>6s}")
     lines = [head]
     for r in rows:
         c = r["cells"]
@@ -327,7 +358,8 @@ def short_table(rows: list[dict]) -> str:
             f"{r['label']:52s} {r['kernel'][:13]:13s} {fmt(c['ours'].get('ms'), '8.4f')} "
             f"{fmt(c['ours_flash2'].get('ms'), '8.4f')} {fmt(c['cudnn'].get('ms'), '8.4f')} "
             f"{fmt(r['speedup_vs_cudnn'], '6.2f', 'x')} {fmt(c['ours'].get('kv_tb_s'), '8.3f')} "
-            f"{fmt(r['kv_of_copy'], '7.1%')} {fmt(r['extra_cost'], '5.3f', 'x')}")
+            f"{fmt(r['kv_of_copy'], '7.1%')} {fmt(r['extra_cost'], '5.3f', 'x')} "
+            f"{fmt(r['paged_cost'], '5.3f', 'x')}")
     return "\n".join(lines)
 
 

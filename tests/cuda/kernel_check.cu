@@ -705,6 +705,7 @@ struct Buffers {
   int32_t *ql, *kl;
   int32_t *qs, *ks;  // segment ids
   int32_t *key_start, *key_end, *row_start, *row_end, *block_indices;  // the O(L) mask forms
+  int32_t* page_table = nullptr;  // k and v as a paged cache (PagedMatchesContiguous)
 };
 
 struct FwdOut {
@@ -762,6 +763,7 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.row_start = in.row_start;
   fa.row_end = in.row_end;
   fa.block_indices = in.block_indices;
+  fa.page_table = in.page_table;
   fa.out = f.out;
   fa.lse = f.lse;
   const int64_t workspace_bytes = workspace ? dmattn::cuda::ForwardWorkspaceBytes(s)
@@ -908,6 +910,46 @@ void FreeInputs(Buffers& b) {
                   static_cast<void*>(b.row_start), static_cast<void*>(b.row_end),
                   static_cast<void*>(b.block_indices)})
     if (p) CK(cudaFree(p));
+}
+
+// The case's k and v as a paged cache (pages of kPageSizeMultiple keys, scattered in a pool with
+// two spare pages, the last page of a sequence partly used) through the decode forward: its out
+// and lse must be bit for bit `contiguous`'s (the same tiles in the same order).
+bool PagedMatchesContiguous(const Problem& P, const Buffers& in, const DeviceOut& contiguous) {
+  const AttentionShape& s = P.s;
+  const int64_t ps = dmattn::kPageSizeMultiple, row = s.kv_row_stride();
+  const int64_t max_pages = (s.seqlen_k + ps - 1) / ps, num_pages = P.B * max_pages + 2;
+  std::vector<int32_t> order(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) order[i] = static_cast<int32_t>(i);
+  std::shuffle(order.begin(), order.end(), std::mt19937(7));
+  std::vector<int32_t> table(order.begin(), order.begin() + P.B * max_pages);
+  std::vector<uint16_t> k(num_pages * ps * row), v(num_pages * ps * row);
+  for (int64_t b = 0; b < P.B; ++b) {
+    for (int64_t j = 0; j < s.seqlen_k; ++j) {
+      const int64_t from = s.kv_offset(b, 0) + j * row;
+      const int64_t to = (table[b * max_pages + j / ps] * ps + j % ps) * row;
+      std::copy_n(P.k.begin() + from, row, k.begin() + to);
+      std::copy_n(P.v.begin() + from, row, v.begin() + to);
+    }
+  }
+  Problem paged = P;
+  paged.s.kv_batch = BatchStrides{};
+  paged.s.pages.page_size = ps;
+  paged.s.pages.num_pages = num_pages;
+  paged.s.pages.max_pages = max_pages;
+  paged.s.pages.table_batch = Strides(P.c.batch, max_pages);
+  Buffers pin = in;
+  pin.k = Upload(k);
+  pin.v = Upload(v);
+  pin.page_table = Upload(table);
+  DeviceOut o;
+  FwdOut f = RunForwardDevice(paged, pin, &o, nullptr, 0);
+  FreeFwd(f);
+  for (void* d : {static_cast<void*>(pin.k), static_cast<void*>(pin.v),
+                  static_cast<void*>(pin.page_table)}) {
+    CK(cudaFree(d));
+  }
+  return o.out == contiguous.out && o.lse == contiguous.lse;
 }
 
 OperandSpec Op(std::vector<int64_t> batch, int64_t heads, bool rows, bool cols) {
@@ -1876,6 +1918,8 @@ int main(int argc, char** argv) {
     Err eo = Compare16(o.out, R.out, P.dt);
     Err el = CompareLse(o.lse, R.lse);
     const int64_t splits = dmattn::cuda::ForwardSplits(P.s);
+    const bool decode = std::string(dmattn::cuda::ForwardKernelName(P.s)) == "decode";
+    const bool paged_ok = !decode || PagedMatchesContiguous(P, in, o);
     if (HopperGpu()) {  // the FlashAttention-2-class forward too: both generations must pass
       dmattn::cuda::SetForwardKernel(dmattn::cuda::ForwardKernel::kFlash2);
       DeviceOut o2;
@@ -1961,12 +2005,13 @@ int main(int argc, char** argv) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
     }
     const bool nan = eo.nan || el.nan || eq.nan || ek.nan || ev.nan || eb.nan;
-    const bool ok = !nan && zero_ok && det_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&
+    const bool ok = !nan && zero_ok && det_ok && paged_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&
                     eq.rel <= 2e-2 && ek.rel <= 2e-2 && ev.rel <= 2e-2 && eb.rel <= 2e-2;
     if (!ok) ++failures;
-    std::printf("%8.1e %8.1e %8.1e %8.1e %5s %s%s%s\n", eq.rel, ek.rel, ev.rel, eb.rel,
+    std::printf("%8.1e %8.1e %8.1e %8.1e %5s %s%s%s%s\n", eq.rel, ek.rel, ev.rel, eb.rel,
                 c.deterministic ? (det_ok ? "yes" : "NO") : "-", ok ? "PASS" : "FAIL",
-                nan ? " (NaN/inf)" : "", zero_ok ? "" : " (masked row not zero)");
+                nan ? " (NaN/inf)" : "", zero_ok ? "" : " (masked row not zero)",
+                paged_ok ? (decode ? " (paged: same bits)" : "") : " (paged cache differs)");
     if (!ok) {
       const int64_t qrow = c.H * c.D, kvrow = c.Hk * c.D;
       if (eo.rel > 1e-2 || eo.nan) Worst("out", o.out, R.out, P.dt, qrow, c.H, c.D);
