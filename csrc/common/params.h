@@ -107,11 +107,13 @@ struct KvPages {
                                      int64_t b) const {
     return table + table_batch.offset(batch, b);
   }
+  // The pool row where a table entry's page starts.
+  DMATTN_HD int64_t page_row(int64_t page) const {
+    return (page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page)) * page_size;
+  }
   // The pool row of key j for a sequence whose table row is `row`.
   DMATTN_HD int64_t key_row(const int32_t* row, int64_t j) const {
-    int64_t page = row[j / page_size];
-    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
-    return page * page_size + j % page_size;
+    return page_row(row[j / page_size]) + j % page_size;
   }
 };
 

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   const int64_t q_rs = s.q_row_stride(), kv_rs = s.kv_row_stride();
   const T* kg_ptr = static_cast<const T*>(p.k) + s.kv_offset(b, hk);
   const T* vg_ptr = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
-  const int32_t* page_row =
+  const int32_t* table_row =
       p.page_table != nullptr ? s.pages.table_row(p.page_table, s.batch, b) : nullptr;
   const bool has_mask = p.mask != nullptr, has_bias = p.bias != nullptr;
 
@@ -185,24 +185,38 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
     }
     cp_async_commit();
   }
-  auto load_tile = [&](int slot, int n) {
-    T* sK = ring + slot * 2 * BN * D;
-    const int64_t j0 = static_cast<int64_t>(n) * BN;  // a paged tile lies in one page
-    const int64_t at = (page_row != nullptr ? s.pages.key_row(page_row, j0) : j0) * kv_rs;
-    load_tile_async<BN, D, NT>(sK, kg_ptr + at, kv_rs, L.kv_len - n * BN, tid);
-    load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + at, kv_rs, L.kv_len - n * BN, tid);
+  // The next visible tile to load (n_lo - 1: none). In a paged cache a tile lies in one page,
+  // whose table entry is read as soon as the tile is known: a tile of work before its loads,
+  // which a dependent load would stall.
+  int upcoming = n_lo - 1, upcoming_flags = 0;
+  int32_t upcoming_page = 0;
+  const int tiles_per_page = table_row != nullptr ? static_cast<int>(s.pages.page_size / BN) : 1;
+  auto advance = [&](int from) {
+    upcoming = next_block(from, &upcoming_flags);
+    if (table_row != nullptr && upcoming >= 0) {
+      upcoming_page = __ldg(table_row + upcoming / tiles_per_page);
+    }
   };
+  auto load_upcoming = [&](int slot) {
+    T* sK = ring + slot * 2 * BN * D;
+    const int n = upcoming;
+    const int64_t first = table_row != nullptr
+                              ? s.pages.page_row(upcoming_page) + (n % tiles_per_page) * BN
+                              : static_cast<int64_t>(n) * BN;
+    load_tile_async<BN, D, NT>(sK, kg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN, tid);
+    load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN,
+                               tid);
+  };
+  if (n_hi > n_lo) advance(n_hi - 1);
   // In flight: the tiles of slots read_slot, read_slot + 1, ... (n_lo - 1: none).
   int queued[S - 1], queued_flags[S - 1];
-  int upcoming_flags;
-  int upcoming = n_hi > n_lo ? next_block(n_hi - 1, &upcoming_flags) : n_lo - 1;
 #pragma unroll
   for (int k = 0; k < S - 1; ++k) {
     queued[k] = upcoming;
     queued_flags[k] = upcoming_flags;
     if (upcoming >= n_lo) {
-      load_tile(k, upcoming);
-      upcoming = next_block(upcoming - 1, &upcoming_flags);
+      load_upcoming(k);
+      advance(upcoming - 1);
     }
     cp_async_commit();
   }
@@ -255,8 +269,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
       queued[S - 2] = upcoming;
       queued_flags[S - 2] = upcoming_flags;
       if (upcoming >= n_lo) {
-        load_tile(refill, upcoming);
-        upcoming = next_block(upcoming - 1, &upcoming_flags);
+        load_upcoming(refill);
+        advance(upcoming - 1);
       }
       cp_async_commit();
     }

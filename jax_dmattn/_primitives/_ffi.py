@@ -205,7 +205,7 @@ def call_paged_forward(platform: str, params, q, k_pages, v_pages, page_table, q
         extras = _with_mask_map(params, mask, extras, seqlen_q, seqlen_k)
 
         def workspaces(arg_shapes, result_shapes):
-            keys = (arg_shapes[0][0], seqlen_k, kv_heads, head_dim)
+            keys = (*arg_shapes[0][:-3], seqlen_k, kv_heads, head_dim)  # the merged batch
             return [((max(_extension().cuda_forward_workspace_bytes(arg_shapes[0], keys), 1),),
                      np.uint8)]
 

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
@@ -125,6 +126,9 @@ def _in_place(platform, params, has_mask, has_bias, q, k_pages, v_pages, page_ta
                                    kv_lens, mask, bias)
 
 
+# The gathered fallback lowers the forward primitive, whose lowering needs the device assignment
+# (ops.py).
+dispatch.prim_requires_devices_during_lowering.add(paged_forward_p)
 paged_forward_p.def_abstract_eval(_abstract_eval)
 paged_forward_p.def_impl(ops._eager(paged_forward_p))
 ad.primitive_jvps[paged_forward_p] = _no_gradient
