@@ -5,14 +5,14 @@ values of every sequence live in fixed-size pages of one shared pool, found thro
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jax_dmattn import reference, validation
 from jax_dmattn._primitives import batching, core  # noqa: F401  (batching registers vmap rules)
 from jax_dmattn._primitives.paged import gather_pages, paged_forward
-from jax_dmattn.params import PAGE_SIZE_MULTIPLE, AttentionParams
+from jax_dmattn.params import MIN_PAGE_SIZE, AttentionParams
 
-__all__ = ["PAGE_SIZE_MULTIPLE", "gather_pages", "paged_attention"]
+__all__ = ["MIN_PAGE_SIZE", "gather_pages", "paged_attention"]
 
 
 def paged_attention(
@@ -42,7 +42,7 @@ def paged_attention(
         new queries of each sequence. Every query row sees every visible key: the rows of a
         multi-token step that must not see each other's keys need a ``mask``.
       key_pages, value_pages: pools ``[num_pages, page_size, Hk, D]`` of query's dtype,
-        ``H % Hk == 0``, page_size a multiple of ``PAGE_SIZE_MULTIPLE`` (64).
+        ``H % Hk == 0``, page_size a power of two, at least ``MIN_PAGE_SIZE`` (64).
       page_table: int32 ``[B, max_pages]``; ``Lk = max_pages * page_size``. The entries that
         ``kv_lens`` reaches must name pages of the pool (checked when the table is concrete;
         under ``jit`` an entry outside ``[0, num_pages)`` is clamped into it); the others are
@@ -69,7 +69,7 @@ def paged_attention(
     params = AttentionParams(scale=validation.check_scale(scale, dims.head_dim),
                              softcap=validation.check_softcap(softcap),
                              implementation=implementation)
-    q_lens = jnp.full_like(kv_lens, dims.seqlen_q)
+    q_lens = np.full(kv_lens.shape, dims.seqlen_q, np.int32)  # a constant: no kernel
     if implementation == "xla":
         out, lse = reference.attention(params, q, gather_pages(k, table), gather_pages(v, table),
                                        mask, bias, q_lens, kv_lens)

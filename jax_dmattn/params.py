@@ -17,9 +17,9 @@ GATE_BLOCK_K = 128
 # kSkipBlockK).
 SKIP_BLOCK_Q = GATE_BLOCK_Q
 SKIP_BLOCK_K = GATE_BLOCK_K
-# A paged KV cache's page size is a multiple of this (csrc/common/params.h: kPageSizeMultiple):
-# every kernel's key tile then lies in one page.
-PAGE_SIZE_MULTIPLE = 64
+# A paged KV cache's page size is a power of two, at least this (csrc/common/params.h:
+# kMinPageSize): every kernel's key tile then lies in one page.
+MIN_PAGE_SIZE = 64
 
 
 def gate_cut(threshold: float | None) -> float:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dmattn._primitives import _ffi
-from jax_dmattn.params import IMPLEMENTATIONS, PAGE_SIZE_MULTIPLE
+from jax_dmattn.params import IMPLEMENTATIONS, MIN_PAGE_SIZE
 
 KERNEL_DTYPES = {
     None: ("float16", "bfloat16", "float32"),
@@ -109,8 +109,8 @@ def _check_dtype(q: jax.Array, implementation: str | None) -> None:
 
 def check_paged_cache(query, key_pages, value_pages, page_table, kv_lens,
                       implementation: str | None) -> tuple[tuple[jax.Array, ...], Dims]:
-    """q ``[B, Lq, H, D]``, pools ``[P, page_size, Hk, D]`` of q's dtype (page_size a multiple of
-    ``PAGE_SIZE_MULTIPLE``), page_table int32 ``[B, max_pages]`` and kv_lens int32 ``[B]``; the
+    """q ``[B, Lq, H, D]``, pools ``[P, page_size, Hk, D]`` of q's dtype (page_size a power of
+    two, at least ``MIN_PAGE_SIZE``), page_table int32 ``[B, max_pages]`` and kv_lens int32 ``[B]``; the
     call's dims have ``Lk = max_pages * page_size``. Concrete tables and lengths are checked too:
     lengths in ``[0, Lk]``, and every page a length reaches names a page of the pool."""
     q, k, v = (as_array(x, n) for x, n in ((query, "query"), (key_pages, "key_pages"),
@@ -129,9 +129,9 @@ def check_paged_cache(query, key_pages, value_pages, page_table, kv_lens,
     if k.shape != v.shape:
         raise ValueError(f"key_pages and value_pages shapes differ: {k.shape} vs {v.shape}")
     num_pages, page_size, kv_heads, _ = k.shape
-    if page_size < 1 or page_size % PAGE_SIZE_MULTIPLE:
-        raise ValueError(f"page_size (key_pages.shape[1]) must be a multiple of "
-                         f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"page_size (key_pages.shape[1]) must be a power of two, at least "
+                         f"{MIN_PAGE_SIZE}, got {page_size}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
             f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")

@@ -18,7 +18,12 @@ gathered fallback.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,7 @@ import numpy as np
 import pytest
 from form_checks import assert_close, require_cuda_kernel
 
+import jax_dmattn
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, paged_attention
 
 Dims = tuple[str, ...]  # each dim of a mask or bias: "1", "B", "H", "Hk", "Lq" or "Lk"
@@ -248,7 +254,8 @@ def test_out_of_range_pages_past_the_lengths_are_never_read():
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(page_size=48), ValueError, "multiple of 64"),
+    (dict(page_size=48), ValueError, "power of two, at least 64"),
+    (dict(page_size=192), ValueError, "power of two, at least 64"),
     (dict(table_dtype=jnp.int64), ValueError, "page_table must be int32"),
     (dict(kv_lens=(193, 1)), ValueError, r"kv_lens must lie in \[0, max_pages \* page_size"),
     (dict(kv_lens=(-1, 1)), ValueError, "kv_lens must lie"),
@@ -267,6 +274,27 @@ def test_bad_inputs_raise(change, error, match):
     lens = jnp.asarray(change.get("kv_lens", (150, 1)), jnp.int32)
     with pytest.raises(error, match=match):
         paged_attention(q, pool, jnp.ones(pool.shape, jnp.float32), table, lens)
+
+
+def test_example_decodes_with_a_paged_cache():
+    """examples/paged_decode.py as a script (small settings): it decodes, prints its rate, and
+    its paged attention matches the contiguous one."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "paged_decode.py"
+    env = dict(os.environ)
+    package_root = str(Path(jax_dmattn.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, str(example), "--batch", "3", "--context", "150",
+                          "--steps", "5", "--layers", "2"], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"64-key pages: [\d,]+ tokens/s", run.stdout), run.stdout
+    error = re.search(r"max \|paged - contiguous\| = (\S+)", run.stdout)
+    assert error and float(error.group(1)) < 1e-5, run.stdout
+
+
+def test_min_page_size_is_the_kernels():
+    """The front end's page size rule mirrors the kernels' (csrc/common/params.h)."""
+    assert jax_dmattn.paged.MIN_PAGE_SIZE == _ffi.build_info()["min_page_size"]
 
 
 def test_differentiation_raises():

@@ -38,9 +38,9 @@ constexpr int64_t kGateBlockK = 128;
 // Softmax-threshold tile skipping (AttentionShape::softmax_threshold) decides on the same grid.
 constexpr int64_t kSkipBlockQ = kGateBlockQ;
 constexpr int64_t kSkipBlockK = kGateBlockK;
-// A paged KV cache's page size is a multiple of this (KvPages): every kernel's key tile (at
-// most this many keys, starting at a multiple of it) then lies in one page.
-constexpr int64_t kPageSizeMultiple = 64;
+// A paged KV cache's page size is a power of two, at least this (KvPages): every kernel's key
+// tile (at most this many keys, starting at a multiple of it) then lies in one page.
+constexpr int64_t kMinPageSize = 64;
 
 enum class ElementType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -97,7 +97,8 @@ struct BroadcastOperand {
 // into it: a table entry a sequence's length reaches must name a page (the Python front end
 // checks tables it can see), and a wrong one is never read past the pool.
 struct KvPages {
-  int64_t page_size = 0;  // 0: k and v are contiguous [*batch|1, Lk, Hk, D]
+  int64_t page_size = 0;  // a power of two; 0: k and v are contiguous [*batch|1, Lk, Hk, D]
+  int32_t page_shift = 0;  // log2(page_size)
   int64_t num_pages = 0;
   int64_t max_pages = 0;     // the table's row length: Lk / page_size
   BatchStrides table_batch;  // in elements of the table
@@ -107,13 +108,16 @@ struct KvPages {
                                      int64_t b) const {
     return table + table_batch.offset(batch, b);
   }
-  // The pool row where a table entry's page starts.
-  DMATTN_HD int64_t page_row(int64_t page) const {
-    return (page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page)) * page_size;
+  // The table entry of key j.
+  DMATTN_HD int64_t entry_of(int64_t j) const { return j >> page_shift; }
+  // The pool row of key j in the page a table entry names.
+  DMATTN_HD int64_t row_in(int64_t page, int64_t j) const {
+    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+    return (page << page_shift) + (j & (page_size - 1));
   }
   // The pool row of key j for a sequence whose table row is `row`.
   DMATTN_HD int64_t key_row(const int32_t* row, int64_t j) const {
-    return page_row(row[j / page_size]) + j % page_size;
+    return row_in(row[entry_of(j)], j);
   }
 };
 

@@ -27,7 +27,7 @@ static_assert(kGateBlockQ % kBlockM == 0 && kGateBlockK % kBlockN == 0,
 static_assert(kSkipBlockQ % kBlockM == 0 && kSkipBlockK % kBlockN == 0,
               "CPU tiles must nest in the softmax-threshold grid");
 // A key tile of a paged cache lies in one page, so its rows are kv_row_stride apart.
-static_assert(kPageSizeMultiple % kBlockN == 0, "CPU key tiles must nest in a cache's pages");
+static_assert(kMinPageSize % kBlockN == 0, "CPU key tiles must nest in a cache's pages");
 
 inline int64_t NumBlocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 

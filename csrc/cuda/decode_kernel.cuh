@@ -43,7 +43,7 @@ struct DecodeTraits {
   static constexpr int NTO = D / 8;   // 8-col tiles of O
   static_assert(NW % KG == 0 && KW % 16 == 0, "whole 16-key slices per warp");
   static_assert(kStages >= 2, "a ring");
-  static_assert(kPageSizeMultiple % BN == 0, "a key tile of a paged cache lies in one page");
+  static_assert(kMinPageSize % BN == 0, "a key tile of a paged cache lies in one page");
 
   static constexpr int kTileBytes = BN * D * 2;
   static constexpr int kOffRing = RM * D * 2;  // after the Q tile
@@ -190,19 +190,17 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   // which a dependent load would stall.
   int upcoming = n_lo - 1, upcoming_flags = 0;
   int32_t upcoming_page = 0;
-  const int tiles_per_page = table_row != nullptr ? static_cast<int>(s.pages.page_size / BN) : 1;
   auto advance = [&](int from) {
     upcoming = next_block(from, &upcoming_flags);
     if (table_row != nullptr && upcoming >= 0) {
-      upcoming_page = __ldg(table_row + upcoming / tiles_per_page);
+      upcoming_page = __ldg(table_row + s.pages.entry_of(upcoming * BN));
     }
   };
   auto load_upcoming = [&](int slot) {
     T* sK = ring + slot * 2 * BN * D;
     const int n = upcoming;
-    const int64_t first = table_row != nullptr
-                              ? s.pages.page_row(upcoming_page) + (n % tiles_per_page) * BN
-                              : static_cast<int64_t>(n) * BN;
+    const int64_t first = table_row != nullptr ? s.pages.row_in(upcoming_page, n * BN)
+                                               : static_cast<int64_t>(n) * BN;
     load_tile_async<BN, D, NT>(sK, kg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN, tid);
     load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN,
                                tid);

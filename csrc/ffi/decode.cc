@@ -182,10 +182,11 @@ ffi::Error DecodePagedProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
   if (auto e = DecodeQuery(q, attrs, s); e.failure()) return e;
   const auto kd = k.dimensions(), td = table.dimensions();
   const int64_t page_size = attrs.page_size;
-  if (page_size % kPageSizeMultiple != 0 || kd.size() != 4 || kd[1] != page_size || kd[0] < 1) {
-    return Invalid("paged k must be [num_pages >= 1, page_size, Hk, D] with page_size a "
-                   "multiple of " + std::to_string(kPageSizeMultiple) + ", got " +
-                   DimsString(kd) + " for page_size " + std::to_string(page_size));
+  if (page_size < kMinPageSize || (page_size & (page_size - 1)) != 0 || kd.size() != 4 ||
+      kd[1] != page_size || kd[0] < 1) {
+    return Invalid("paged k must be [num_pages >= 1, page_size, Hk, D] with page_size a power "
+                   "of two >= " + std::to_string(kMinPageSize) + ", got " + DimsString(kd) +
+                   " for page_size " + std::to_string(page_size));
   }
   if (table.element_type() != ffi::DataType::S32 ||
       static_cast<int>(td.size()) != s->batch.rank + 1) {
@@ -201,6 +202,7 @@ ffi::Error DecodePagedProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
   if (auto e = ExpectKeysAndValues(q, k, v, s); e.failure()) return e;
   DMATTN_ASSIGN_OR_RETURN(table_batch, BroadcastBatchStrides(td, s->batch, "page_table"));
   s->pages.page_size = page_size;
+  while ((int64_t{1} << s->pages.page_shift) < page_size) ++s->pages.page_shift;
   s->pages.num_pages = kd[0];
   s->pages.max_pages = td.back();
   s->pages.table_batch = table_batch;

@@ -47,7 +47,7 @@ struct AttentionAttrs {
   // Softmax-threshold skipping (> 0; 0: off): the forward's drop_map result, the backward's
   // drop_map operand.
   double softmax_threshold;
-  // A paged k and v (forward only): the pool's page size, a multiple of kPageSizeMultiple; 0:
+  // A paged k and v (forward only): the pool's page size, a power of two >= kMinPageSize; 0:
   // contiguous.
   int64_t page_size;
 };

@@ -61,7 +61,7 @@ nb::dict BuildInfo() {
   // and the gate of gated attention, with its threshold (the CUDA kernels do not)
   info["gate"] = true;
   info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (likewise)
-  info["page_size_multiple"] = dmattn::kPageSizeMultiple;  // a paged cache's pages
+  info["min_page_size"] = dmattn::kMinPageSize;  // a paged cache's pages: powers of two
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_head_dims"] = std::vector<int>{DMATTN_CUDA_HEAD_DIMS};

@@ -912,12 +912,12 @@ void FreeInputs(Buffers& b) {
     if (p) CK(cudaFree(p));
 }
 
-// The case's k and v as a paged cache (pages of kPageSizeMultiple keys, scattered in a pool with
+// The case's k and v as a paged cache (pages of kMinPageSize keys, scattered in a pool with
 // two spare pages, the last page of a sequence partly used) through the decode forward: its out
 // and lse must be bit for bit `contiguous`'s (the same tiles in the same order).
 bool PagedMatchesContiguous(const Problem& P, const Buffers& in, const DeviceOut& contiguous) {
   const AttentionShape& s = P.s;
-  const int64_t ps = dmattn::kPageSizeMultiple, row = s.kv_row_stride();
+  const int64_t ps = dmattn::kMinPageSize, row = s.kv_row_stride();
   const int64_t max_pages = (s.seqlen_k + ps - 1) / ps, num_pages = P.B * max_pages + 2;
   std::vector<int32_t> order(num_pages);
   for (int64_t i = 0; i < num_pages; ++i) order[i] = static_cast<int32_t>(i);
@@ -935,6 +935,7 @@ bool PagedMatchesContiguous(const Problem& P, const Buffers& in, const DeviceOut
   Problem paged = P;
   paged.s.kv_batch = BatchStrides{};
   paged.s.pages.page_size = ps;
+  while ((int64_t{1} << paged.s.pages.page_shift) < ps) ++paged.s.pages.page_shift;
   paged.s.pages.num_pages = num_pages;
   paged.s.pages.max_pages = max_pages;
   paged.s.pages.table_batch = Strides(P.c.batch, max_pages);
