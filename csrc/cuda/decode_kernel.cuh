@@ -89,8 +89,9 @@ struct DecodeRow {
 }  // namespace detail
 
 // Two CTAs an SM (DecodeCtasPerSm): with no minimum given, ptxas held the KG = 4 kernel to 168
-// registers and spilled.
-template <typename Tr, typename T>
+// registers and spilled. kPaged: k and v are a paged cache (AttentionShape::pages), each tile's
+// page looked up in p.page_table; a kernel of its own, so that a contiguous cache pays nothing.
+template <typename Tr, typename T, bool kPaged>
 __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
   using E = Elem<T>;
@@ -125,8 +126,7 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   const int64_t q_rs = s.q_row_stride(), kv_rs = s.kv_row_stride();
   const T* kg_ptr = static_cast<const T*>(p.k) + s.kv_offset(b, hk);
   const T* vg_ptr = static_cast<const T*>(p.v) + s.kv_offset(b, hk);
-  const int32_t* table_row =
-      p.page_table != nullptr ? s.pages.table_row(p.page_table, s.batch, b) : nullptr;
+  const int32_t* table_row = kPaged ? s.pages.table_row(p.page_table, s.batch, b) : nullptr;
   const bool has_mask = p.mask != nullptr, has_bias = p.bias != nullptr;
 
   // Key blocks the CTA's query rows may see by position and length, and this split's share.
@@ -192,15 +192,15 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   int32_t upcoming_page = 0;
   auto advance = [&](int from) {
     upcoming = next_block(from, &upcoming_flags);
-    if (table_row != nullptr && upcoming >= 0) {
+    if (kPaged && upcoming >= 0) {
       upcoming_page = __ldg(table_row + s.pages.entry_of(upcoming * BN));
     }
   };
   auto load_upcoming = [&](int slot) {
     T* sK = ring + slot * 2 * BN * D;
     const int n = upcoming;
-    const int64_t first = table_row != nullptr ? s.pages.row_in(upcoming_page, n * BN)
-                                               : static_cast<int64_t>(n) * BN;
+    const int64_t first = kPaged ? s.pages.row_in(upcoming_page, n * BN)
+                                 : static_cast<int64_t>(n) * BN;
     load_tile_async<BN, D, NT>(sK, kg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN, tid);
     load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN,
                                tid);

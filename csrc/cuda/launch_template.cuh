@@ -229,7 +229,7 @@ cudaError_t RunDecodeTiles(const FwdParams& params, cudaStream_t stream) {
   p.split_blocks = (n_blocks + p.num_splits - 1) / p.num_splits;
   const int64_t blocks = s.batch_count() * s.num_kv_heads * p.m_blocks * p.num_splits;
   if (blocks == 0) return cudaSuccess;
-  auto kernel = decode_kernel<Tr, T>;
+  auto kernel = p.page_table != nullptr ? decode_kernel<Tr, T, true> : decode_kernel<Tr, T, false>;
   if (cudaError_t e = PrepareSmem(kernel, Tr::kSmem); e != cudaSuccess) return e;
   // The last split of each group merges the partial results (without counters: the combine
   // kernel after it, one launch more: 5.6 us of a 0.37 ms call, B8 Lq1 Lk32k H32/Hk8, H100).
