@@ -110,9 +110,10 @@ def _check_dtype(q: jax.Array, implementation: str | None) -> None:
 def check_paged_cache(query, key_pages, value_pages, page_table, kv_lens,
                       implementation: str | None) -> tuple[tuple[jax.Array, ...], Dims]:
     """q ``[B, Lq, H, D]``, pools ``[P, page_size, Hk, D]`` of q's dtype (page_size a power of
-    two, at least ``MIN_PAGE_SIZE``), page_table int32 ``[B, max_pages]`` and kv_lens int32 ``[B]``; the
-    call's dims have ``Lk = max_pages * page_size``. Concrete tables and lengths are checked too:
-    lengths in ``[0, Lk]``, and every page a length reaches names a page of the pool."""
+    two, at least ``MIN_PAGE_SIZE``), page_table int32 ``[B, max_pages]`` and kv_lens int32
+    ``[B]``; the call's dims have ``Lk = max_pages * page_size``. Concrete tables and lengths
+    are checked too: lengths in ``[0, Lk]``, and every page a length reaches names a page of the
+    pool."""
     q, k, v = (as_array(x, n) for x, n in ((query, "query"), (key_pages, "key_pages"),
                                             (value_pages, "value_pages")))
     if q.ndim != 4:

@@ -127,7 +127,9 @@ def inputs(case: PagedCase) -> dict:
     k, v = (x[rows].reshape(case.B, case.Lk, case.Hk, case.D) for x in (k_pages, v_pages))
     mask = None if case.mask is None else rng.random(case.resolve(case.mask)) < 0.8
     bias = None if case.bias is None else rng.standard_normal(case.resolve(case.bias))
-    cast = (lambda x: None if x is None else jnp.asarray(x, dtype))
+    def cast(x):
+        return None if x is None else jnp.asarray(x, dtype)
+
     return dict(q=cast(q), k_pages=cast(k_pages), v_pages=cast(v_pages),
                 page_table=jnp.asarray(table), kv_lens=jnp.asarray(case.kv_lens, jnp.int32),
                 mask=None if mask is None else jnp.asarray(mask), bias=cast(bias),
@@ -142,7 +144,9 @@ def paged(case: PagedCase, x: dict, implementation: str | None):
 
 def oracle(case: PagedCase, x: dict):
     """float64 ``xla`` dot_product_attention over the contiguous cache, with the lengths."""
-    f64 = (lambda a: None if a is None else jnp.asarray(a, jnp.float64))
+    def f64(a):
+        return None if a is None else jnp.asarray(a, jnp.float64)
+
     if case.softcap is not None:  # dot_product_attention takes no softcap: mask the lengths
         keys = jnp.arange(case.Lk) < x["kv_lens"][:, None]
         mask = keys[:, None, None, :] if x["mask"] is None else x["mask"] & keys[:, None, None]
@@ -223,7 +227,8 @@ def test_jit_and_vmap_over_queries_and_pools():
 def test_shard_map_over_batch_and_heads():
     """shard_map with the batch over one mesh axis and the kv heads (the pools' third dim)
     over another: each shard reads its own heads of the shared pool."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     case = PagedCase((130, 64, 250, 1), 1, 8, 4, 64, 64, 4, "float32")
     x = inputs(case)

@@ -199,7 +199,7 @@ def call_paged_forward(platform: str, params, q, k_pages, v_pages, page_table, q
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     seqlen_k = page_table.shape[-1] * page_size
     results = [(q.shape, q.dtype), ((*batch, heads, seqlen_q), np.float32)]
-    extras = tuple(x for x in (mask, bias) if x is not None) + (q_lens, kv_lens)
+    extras = (*(x for x in (mask, bias) if x is not None), q_lens, kv_lens)
     workspaces = None
     if platform == "cuda":
         extras = _with_mask_map(params, mask, extras, seqlen_q, seqlen_k)
