@@ -7,8 +7,8 @@ order, with ``-1`` in the table past its length; lengths end inside a page, on a
 at 0 and at the full ``Lk``. Cases cover ``Lq`` 1 / 4 / 16, GQA groups 1 / 4 / 8, page sizes 64
 to 256, masks and biases broadcast in several ways, softcap. The kernels must read the pages in
 place and give the very bits of their contiguous path on the gathered cache (the same tiles in
-the same order). Also: vmap over the queries and over the pools, shard_map, validation errors,
-and that differentiation raises.
+the same order). Also: vmap over the queries and over the pools, shard_map, sharded jit (no
+all-gather), validation errors, the example, and that differentiation raises.
 
 The CPU kernels run every case (CI); on a GPU (``gpu``) implementation="cuda" runs them through
 the decode forward (asserted by the dispatcher's name) and a prefill-sized call through the
@@ -240,6 +240,32 @@ def test_shard_map_over_batch_and_heads():
         out_specs=P("b", None, "h"))
     args = (x["q"], x["k_pages"], x["v_pages"], x["page_table"], x["kv_lens"])
     np.testing.assert_allclose(fn(*args), paged_attention(*args), atol=1e-6, rtol=1e-6)
+
+
+def test_sharded_jit_keeps_batch_and_heads_local():
+    """jit over inputs sharded by batch (q, table, lengths, bias) and heads (q, bias, the pools'
+    kv heads): the call is partitioned (no all-gather: the pool is never gathered), its output
+    keeps q's sharding and equals the unsharded call."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    case = PagedCase((130, 64, 250, 1), 1, 8, 4, 64, 64, 4, "float32", bias=ROWS_KEYS)
+    x = inputs(case)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    specs = dict(q=P("data", None, "model"), k_pages=P(None, None, "model"),
+                 v_pages=P(None, None, "model"), page_table=P("data"), kv_lens=P("data"),
+                 bias=P("data", "model"))
+    names = ("q", "k_pages", "v_pages", "page_table", "kv_lens", "bias")
+    sharded = [jax.device_put(x[n], NamedSharding(mesh, specs[n])) for n in names]
+
+    def call(q, k, v, table, lens, bias):
+        return paged_attention(q, k, v, table, lens, None, bias)
+
+    text = jax.jit(call).lower(*sharded).compile().as_text()
+    assert "all-gather" not in text
+    out = jax.jit(call)(*sharded)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, specs["q"]), 4), out.sharding
+    np.testing.assert_allclose(out, call(*(x[n] for n in names)), atol=1e-6, rtol=1e-6)
 
 
 def test_out_of_range_pages_past_the_lengths_are_never_read():

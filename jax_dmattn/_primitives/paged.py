@@ -7,16 +7,19 @@ bias ``[*B|1, H|Hk|1, Lq|1, Lk|1]`` with ``Lk = max_pages * page_size``; out in 
 float32 ``[*B, H, Lq]``. Key ``j`` of sequence ``b`` is row ``j % page_size`` of page
 ``page_table[b, j // page_size]`` (clamped into ``[0, P)``, as the kernels read it).
 
-Lowering: the CPU kernels and the CUDA decode forward read the pages in place; other CUDA calls
-(more query rows than the decode forward takes, a head dim it lacks) gather the pages into a
-contiguous cache first and run the forward primitive (a copy of the sequences' pages, which a
-prefill's compute outweighs); without a kernel, the reference over gathered pages. Forward only:
-differentiating it raises.
+Lowering: the CPU kernels and the CUDA decode forward read the pages in place (through
+``sharding``'s partitioned call, handed over by :func:`register_lowerings` as for ``ops``); other
+CUDA calls (more query rows than the decode forward takes, a head dim it lacks) gather the pages
+into a contiguous cache first and run the forward primitive (a copy of the sequences' pages,
+which a prefill's compute outweighs); without a kernel, the reference over gathered pages.
+Forward only: differentiating it raises.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -89,9 +92,7 @@ def _reads_pages_in_place(platform: str, q, k_pages, page_table, mask, bias) -> 
     if platform == "cpu":
         return True
     *_, seqlen_q, heads, head_dim = q.shape
-    batch = 1
-    for size in q.shape[:-3]:
-        batch *= size
+    batch = math.prod(q.shape[:-3])
     keys = (batch, page_table.shape[-1] * k_pages.shape[1], k_pages.shape[2], head_dim)
 
     def flat(x):
@@ -102,14 +103,15 @@ def _reads_pages_in_place(platform: str, q, k_pages, page_table, mask, bias) -> 
     return kernel == "decode"
 
 
-def _lowering(platform: str):
+def _lowering(platform: str, in_place: Callable | None):
     def rule(ctx, *args, params, has_mask, has_bias):
         q, k_pages, _, page_table, *_ = ctx.avals_in
         mask, bias = split_extras(ctx.avals_in[6:], has_mask, has_bias)
         if platform in ("cpu", "cuda") and ops.uses_kernel(platform, params, q.dtype,
                                                            q.shape[-1]):
             if _reads_pages_in_place(platform, q, k_pages, page_table, mask, bias):
-                fn = functools.partial(_in_place, platform, params, has_mask, has_bias)
+                opts = ops.Optionals(has_mask, has_bias, has_seqlens=True)
+                fn = functools.partial(in_place, platform, params, opts)
             else:
                 fn = functools.partial(_gathered_kernel, params, has_mask, has_bias)
         else:
@@ -119,11 +121,14 @@ def _lowering(platform: str):
     return rule
 
 
-def _in_place(platform, params, has_mask, has_bias, q, k_pages, v_pages, page_table, q_lens,
-              kv_lens, *extras):
-    mask, bias = split_extras(extras, has_mask, has_bias)
-    return _ffi.call_paged_forward(platform, params, q, k_pages, v_pages, page_table, q_lens,
-                                   kv_lens, mask, bias)
+def register_lowerings(in_place: Callable) -> None:
+    """Lowers the primitive on ``cpu`` and ``cuda`` with `in_place` (``in_place(platform,
+    params, opts, *operands) -> [out, lse]``, opts the ``ops.Optionals`` of its mask and bias)
+    where a kernel reads the call's pages, and to the reference elsewhere. Until then it has no
+    lowering at all, like ``ops``' primitives."""
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(paged_forward_p, _lowering(platform, in_place), platform=platform)
+    mlir.register_lowering(paged_forward_p, _lowering("other", None))
 
 
 # The gathered fallback lowers the forward primitive, whose lowering needs the device assignment
@@ -132,6 +137,3 @@ dispatch.prim_requires_devices_during_lowering.add(paged_forward_p)
 paged_forward_p.def_abstract_eval(_abstract_eval)
 paged_forward_p.def_impl(ops._eager(paged_forward_p))
 ad.primitive_jvps[paged_forward_p] = _no_gradient
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(paged_forward_p, _lowering(_platform), platform=_platform)
-mlir.register_lowering(paged_forward_p, _lowering("other"))

@@ -24,8 +24,13 @@ A per-kv-head window table (``window_sizes``) names absolute positions too (its 
 a call never runs as a ring; with the kv heads sharded each shard runs the rows of its own kv
 heads. Inside a fully manual ``shard_map`` or ``pmap`` the kernel is called directly (there the
 call's table is that of the local kv heads, like its k and v).
+The paged forward (``paged.paged_forward_p``, reading its pages in place) is partitioned the same
+way: q, the page table, the lengths, mask and bias keep q's batch sharding, the pools
+``[P, page_size, Hk, D]`` their kv heads with q's heads (pages and slots replicated, never a
+ring).
 
-Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``).
+Importing this module makes these calls the primitives' lowerings (``ops.register_lowerings``,
+``paged.register_lowerings``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_dmattn._primitives import _ffi, ops
+from jax_dmattn._primitives import _ffi, ops, paged
 from jax_dmattn.parallel import context_parallel
 
 # ---- the kernel calls ----------------------------------------------------------------------
@@ -52,6 +57,13 @@ from jax_dmattn.parallel import context_parallel
 
 def _forward_impl(platform, params, opts, *operands):
     return tuple(_ffi.call_forward(platform, params, opts, *operands))
+
+
+def _paged_impl(platform, params, opts, q, k_pages, v_pages, page_table, q_lens, kv_lens,
+                *extras):
+    mask, bias = paged.split_extras(extras, opts.has_mask, opts.has_bias)
+    return tuple(_ffi.call_paged_forward(platform, params, q, k_pages, v_pages, page_table,
+                                         q_lens, kv_lens, mask, bias))
 
 
 def _backward_impl(platform, params, opts, *operands):
@@ -92,17 +104,26 @@ def _kernel_steps(platform: str) -> context_parallel.StepFns:
 class _Layout:
     """Per-operand dim roles, derived from shapes: batch dims, then the operand's own dims."""
 
-    def __init__(self, opts: ops.Optionals, shapes: Sequence[Sequence[int]], backward: bool):
+    def __init__(self, opts: ops.Optionals, shapes: Sequence[Sequence[int]], backward: bool,
+                 paged: bool = False):
         self.opts = opts
         self.backward = backward
+        self.paged = paged  # the paged forward: pools [P, page_size, Hk, D] and a page table
         q = tuple(shapes[0])
         self.num_batch = len(q) - 3
         self.batch = q[:self.num_batch]
         self.seqlen_q, self.heads = q[-3], q[-2]
-        self.seqlen_k, self.kv_heads = shapes[1][-3], shapes[1][-2]
+        if paged:
+            self.seqlen_k, self.kv_heads = shapes[3][-1] * shapes[1][1], shapes[1][2]
+        else:
+            self.seqlen_k, self.kv_heads = shapes[1][-3], shapes[1][-2]
 
     def kinds(self) -> list[str]:
         """Operand kinds in call order."""
+        if self.paged:
+            return (["q", "pool", "pool", "table", "lens", "lens"]
+                    + (["mask"] if self.opts.has_mask else [])
+                    + (["bias"] if self.opts.has_bias else []))
         head = ["q", "kv", "kv"] + (["q", "q", "lse", "lse"] if self.backward else [])
         extras = (["mask"] if self.opts.has_mask else []) + (["bias"] if self.opts.has_bias
                                                              else [])
@@ -121,7 +142,8 @@ class _Layout:
         block indices, the gate threshold's block grid, the softmax threshold's grid and its
         walk in increasing key order), which a ring over sequence chunks cannot shift (the ring
         steps take no gate and no threshold either)."""
-        return (self.opts.has_segments or self.opts.has_key_ranges or self.opts.has_row_ranges
+        return (self.paged or self.opts.has_segments or self.opts.has_key_ranges
+                or self.opts.has_row_ranges
                 or self.opts.has_block_indices or self.opts.has_gate
                 or self.opts.returns_drop_map or self.opts.has_drop_map)
 
@@ -186,6 +208,10 @@ def _operand_spec(kind: str, shape, layout: _Layout, plan: _Plan):
         return PartitionSpec(*batch, plan.heads, plan.seq)
     if kind == "lens":
         return PartitionSpec(*batch)
+    if kind == "pool":  # [P, page_size, Hk, D]: no batch dims, pages and slots replicated
+        return PartitionSpec(None, None, plan.kv_heads, None)
+    if kind == "table":  # [*B, max_pages]
+        return PartitionSpec(*batch, None)
     if kind in ("qseg", "kvseg"):  # batch dims as q's, the sequence replicated (never a ring)
         return PartitionSpec(*batch, None)
     if kind == "alpha":  # [*B, Lq, H]: the sequence replicated (never a ring)
@@ -215,9 +241,10 @@ def _reduced_axes(spec: PartitionSpec, full_spec: PartitionSpec) -> tuple[str, .
     return tuple(a for a in wanted if a not in present)
 
 
-def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_infos):
+def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_infos,
+               paged: bool = False):
     shapes = [info.shape for info in arg_infos]
-    layout = _Layout(opts, shapes, backward)
+    layout = _Layout(opts, shapes, backward, paged)
     plan = _plan(mesh, layout, params, _spec_of(arg_infos[0], len(shapes[0])))
     arg_specs = [_operand_spec(kind, shape, layout, plan)
                  for kind, shape in zip(layout.kinds(), shapes, strict=True)]
@@ -226,7 +253,8 @@ def _partition(backward: bool, platform, params, opts, mesh, arg_infos, result_i
         result_specs = [q_spec, _operand_spec("lse", shapes[0], layout, plan)]
         if opts.returns_drop_map:
             result_specs.append(_operand_spec("drops", shapes[0], layout, plan))
-        lower = _local_call(_forward_impl, platform, params, opts, mesh, plan)
+        lower = _local_call(_paged_impl if paged else _forward_impl, platform, params, opts, mesh,
+                            plan)
         if plan.seq is not None:
             lower = functools.partial(_ring_forward, platform, params, opts, plan.seq)
     else:
@@ -322,17 +350,19 @@ def _kv_heads_follow(mesh, layout: _Layout) -> bool:
     return True
 
 
-def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, result_types):
+def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, result_types,
+                   paged: bool = False):
     from jax._src.lib.mlir import ir
 
     shapes = [tuple(ir.RankedTensorType(t).shape) for t in value_types]
-    layout = _Layout(opts, shapes, backward)
+    layout = _Layout(opts, shapes, backward, paged)
     names = iter(f"{a}{b}" for a in string.ascii_lowercase for b in string.ascii_lowercase)
     batch = [next(names) for _ in range(layout.num_batch)]
     # Mask/bias key columns get a factor of their own (kc): always replicated, while lk (k/v's
     # sequence) may be sharded for the ring.
     lq, lk, d, kc = next(names), next(names), next(names), next(names)
     block_rows, block_cols = next(names), next(names)  # the softmax threshold's drop map
+    pages, slots, entries = next(names), next(names), next(names)  # a paged cache's, replicated
     # q's heads are the compound (kv head, group) factor, so that a head sharding propagates
     # between q and k / v, only where every set of mesh axes that can shard q's heads also
     # shards the kv heads evenly; else they are factors of their own. Shardy rejects size-1
@@ -361,6 +391,10 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
             return [*bat, heads, lq]
         if kind == "lens":
             return bat
+        if kind == "pool":
+            return [pages, slots, hk, d]
+        if kind == "table":
+            return [*bat, entries]
         # The segment ids' sequence dims are q's and k's: replicated, since such a call is no
         # ring candidate.
         if kind == "qseg":
@@ -404,33 +438,43 @@ def _sharding_rule(backward: bool, platform, params, opts, mesh, value_types, re
     # (it replicates them itself where the shard count does not divide them).
     ringable = context_parallel.ring_candidate(params, opts.has_seqlens, layout.seqlen_q,
                                                layout.seqlen_k, layout.absolute_positions())
-    factors = (d, kc, block_rows, block_cols) if ringable else (lq, lk, d, kc, block_rows,
-                                                                 block_cols)
+    factors = (d, kc, block_rows, block_cols, pages, slots, entries)
+    if not ringable:
+        factors = (lq, lk, *factors)
     replicated = tuple(sorted((f for f in factors if f in tokens), key=tokens.index))
     return rule, dict(need_replication_factors=replicated, **factor_sizes)
 
 
-def _make(backward: bool):
-    impl = _backward_impl if backward else _forward_impl
+def _make(backward: bool, paged: bool = False):
+    impl = _backward_impl if backward else (_paged_impl if paged else _forward_impl)
     fn = custom_partitioning(impl, static_argnums=(0, 1, 2))
     fn.def_partition(
-        partition=functools.partial(_partition, backward),
-        infer_sharding_from_operands=functools.partial(_infer, backward),
-        sharding_rule=functools.partial(_sharding_rule, backward))
+        partition=functools.partial(_partition, backward, paged=paged),
+        infer_sharding_from_operands=functools.partial(_infer, backward, paged),
+        sharding_rule=functools.partial(_sharding_rule, backward, paged=paged))
     return fn
 
 
-def _infer(backward, platform, params, opts, mesh, arg_infos, result_infos):
-    return _partition(backward, platform, params, opts, mesh, arg_infos, result_infos)[2]
+def _infer(backward, paged, platform, params, opts, mesh, arg_infos, result_infos):
+    return _partition(backward, platform, params, opts, mesh, arg_infos, result_infos,
+                      paged)[2]
 
 
 _partitioned_forward = _make(backward=False)
 _partitioned_backward = _make(backward=True)
+_partitioned_paged_forward = _make(backward=False, paged=True)
 
 
 def kernel_forward(platform, params, opts, *operands):
     """``[out, lse]`` through the platform's kernel, partitioned over batch and heads."""
     return list(_partitioned_forward(platform, params, opts, *operands))
+
+
+def kernel_paged_forward(platform, params, opts, *operands):
+    """``[out, lse]`` of the paged forward through the platform's kernel reading the pages in
+    place (operands as ``paged.paged_forward_p``'s; `opts`: ``ops.Optionals`` of its mask and
+    bias), partitioned over batch and heads."""
+    return list(_partitioned_paged_forward(platform, params, opts, *operands))
 
 
 def kernel_backward(platform, params, opts, *operands):
@@ -485,3 +529,4 @@ def kernel_sum_listed_keys(grad, slots, spans):
 
 
 ops.register_lowerings(ops.KernelCalls(kernel_forward, kernel_backward, kernel_sum_listed_keys))
+paged.register_lowerings(kernel_paged_forward)
