@@ -5,6 +5,7 @@ values of every sequence live in fixed-size pages of one shared pool, found thro
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_dmattn import reference, validation
@@ -25,6 +26,7 @@ def paged_attention(
     bias: jax.Array | None = None,
     *,
     scale: float | None = None,
+    is_causal: bool = False,
     softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
@@ -39,8 +41,7 @@ def paged_attention(
 
     Args:
       query: ``[B, Lq, H, D]``, float16 or bfloat16 (float32 too on ``cpu`` and ``xla``); the
-        new queries of each sequence. Every query row sees every visible key: the rows of a
-        multi-token step that must not see each other's keys need a ``mask``.
+        new queries of each sequence (without ``is_causal`` every row sees every visible key).
       key_pages, value_pages: pools ``[num_pages, page_size, Hk, D]`` of query's dtype,
         ``H % Hk == 0``, page_size a power of two, at least ``MIN_PAGE_SIZE`` (64).
       page_table: int32 ``[B, max_pages]``; ``Lk = max_pages * page_size``. The entries that
@@ -52,6 +53,11 @@ def paged_attention(
         sequences' own, ``j < Lk``).
       bias: optional floating ``[B|1, H|Hk|1, Lq|1, Lk|1]``, added to the logits.
       scale: the logits' scale; ``1 / sqrt(D)`` by default.
+      is_causal: the query rows are the last ``Lq`` tokens of each sequence, their keys cached
+        (counted in ``kv_lens``): row ``i`` of sequence ``b`` sees keys
+        ``j <= kv_lens[b] - Lq + i``, causality aligned to each sequence's own length (a
+        multi-token step: speculative decoding, a chunk of a prefill). Applied as a bool mask
+        ``[B, 1, Lq, Lk]`` and-ed with ``mask``.
       softcap: optional ``softcap · tanh(logits / softcap)``, after the bias.
       return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32; ``-inf`` for rows with no
         visible key, whose output is zeros).
@@ -69,6 +75,9 @@ def paged_attention(
     params = AttentionParams(scale=validation.check_scale(scale, dims.head_dim),
                              softcap=validation.check_softcap(softcap),
                              implementation=implementation)
+    if is_causal:
+        causal = _causal_rows(kv_lens, dims.seqlen_q, dims.seqlen_k)
+        mask = causal if mask is None else mask & causal
     q_lens = np.full(kv_lens.shape, dims.seqlen_q, np.int32)  # a constant: no kernel
     if implementation == "xla":
         out, lse = reference.attention(params, q, gather_pages(k, table), gather_pages(v, table),
@@ -77,3 +86,12 @@ def paged_attention(
         out, lse = paged_forward(params, *core.vary_alike(q, k, v, table, q_lens, kv_lens, mask,
                                                           bias))
     return (out, lse) if return_lse else out
+
+
+def _causal_rows(kv_lens: jax.Array, seqlen_q: int, seqlen_k: int) -> jax.Array:
+    """Bool ``[B, 1, Lq, Lk]``: row ``i`` of sequence ``b``, its ``kv_lens[b] - Lq + i``-th
+    token, sees keys ``j <= kv_lens[b] - Lq + i``."""
+    rows = jnp.arange(seqlen_q)[:, None]
+    keys = jnp.arange(seqlen_k)[None, :]
+    return (keys <= kv_lens[:, None, None] - seqlen_q + rows)[:, None]
+

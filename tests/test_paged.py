@@ -190,6 +190,30 @@ def test_cpu_matches_float64_reference(case):
     check_against_reference(case, "cpu")
 
 
+@pytest.mark.parametrize("implementation, dtype", [
+    ("cpu", "float32"), ("xla", "float32"),
+    pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+def test_causal_rows_align_to_each_sequence(implementation, dtype):
+    """is_causal: row i of sequence b is its token kv_lens[b] - Lq + i. Each sequence against
+    float64 flash_dmattn(is_causal=True) over its own kv_lens[b] keys (bottom-right aligned
+    there), a length shorter than Lq included (its first rows see no key: zeros)."""
+    case = PagedCase((300, 2, 64, 129), 4, 8, 2, 64, 64, 5, dtype, bias=ROWS_KEYS)
+    if implementation == "cuda":
+        assert cuda_kernel_of(case) == "decode"
+    x = inputs(case)
+    out, lse = paged_attention(x["q"], x["k_pages"], x["v_pages"], x["page_table"],
+                               x["kv_lens"], None, x["bias"], is_causal=True, return_lse=True,
+                               implementation=implementation)
+    f64 = {n: jnp.asarray(x[n], jnp.float64) for n in ("q", "k", "v", "bias")}
+    for b, n in enumerate(case.kv_lens):
+        want, want_lse = flash_dmattn(
+            f64["q"][b:b + 1], f64["k"][b:b + 1, :n], f64["v"][b:b + 1, :n], None,
+            f64["bias"][b:b + 1, ..., :n], is_causal=True, return_lse=True, implementation="xla")
+        assert_close(out[b:b + 1], want, x["q"].dtype, f"out of sequence {b}")
+        assert_close(lse[b:b + 1], want_lse, jnp.float32, f"lse of sequence {b}")
+    assert not np.isfinite(np.asarray(lse[1, :, :2])).any()  # kv_lens 2 < Lq 4: rows 0, 1
+
+
 def test_xla_reads_the_same_pages():
     """The reference implementation (gathered pages) against the oracle."""
     case = CASES[1]
