@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dmattn import reference, validation
+from jax_dmattn import validation
 from jax_dmattn._primitives import batching, core  # noqa: F401  (batching registers vmap rules)
-from jax_dmattn._primitives.paged import gather_pages, paged_forward
+from jax_dmattn._primitives.paged import gather_pages, paged_forward, reference_forward
 from jax_dmattn.params import MIN_PAGE_SIZE, AttentionParams
 
 __all__ = ["MIN_PAGE_SIZE", "gather_pages", "paged_attention"]
@@ -80,8 +80,7 @@ def paged_attention(
         mask = causal if mask is None else mask & causal
     q_lens = np.full(kv_lens.shape, dims.seqlen_q, np.int32)  # a constant: no kernel
     if implementation == "xla":
-        out, lse = reference.attention(params, q, gather_pages(k, table), gather_pages(v, table),
-                                       mask, bias, q_lens, kv_lens)
+        out, lse = reference_forward(params, q, k, v, table, q_lens, kv_lens, mask, bias)
     else:
         out, lse = paged_forward(params, *core.vary_alike(q, k, v, table, q_lens, kv_lens, mask,
                                                           bias))

@@ -71,12 +71,18 @@ def _no_gradient(primals, tangents, **params):
         "a contiguous cache (paged.gather_pages) instead")
 
 
-def _reference(params, has_mask, has_bias, q, k_pages, v_pages, page_table, q_lens, kv_lens,
-               *extras):
-    mask, bias = split_extras(extras, has_mask, has_bias)
+def reference_forward(params: AttentionParams, q, k_pages, v_pages, page_table, q_lens, kv_lens,
+                      mask=None, bias=None) -> tuple:
+    """``(out, lse)`` of the pure-JAX reference over the gathered pages (differentiable)."""
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
     out, lse = reference.attention(params, q, k, v, mask, bias, q_lens, kv_lens)
     return out.astype(q.dtype), lse
+
+
+def _reference(params, has_mask, has_bias, q, k_pages, v_pages, page_table, q_lens, kv_lens,
+               *extras):
+    return reference_forward(params, q, k_pages, v_pages, page_table, q_lens, kv_lens,
+                             *split_extras(extras, has_mask, has_bias))
 
 
 def _gathered_kernel(params, has_mask, has_bias, q, k_pages, v_pages, page_table, q_lens,
