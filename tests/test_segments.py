@@ -29,6 +29,7 @@ from conftest import (
     run_case,
     tolerance,
 )
+from form_checks import require_cuda_kernel
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -618,6 +619,7 @@ def test_cuda_nonmonotone_ids(case):
 def test_cuda_deterministic():
     """deterministic=True: the dq kernel reads the ids too; gradients bitwise equal run to run."""
     case = GPU_CASES[0]
+    require_cuda_kernel(case.D, case.dtype)
     inputs = make_inputs(case)
     ref = dense_reference(case, inputs)
     got = [run_case(case, inputs, "cuda", case.dtype, np.isfinite(ref["lse"]),

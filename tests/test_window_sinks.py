@@ -133,6 +133,7 @@ def test_cuda_with_segment_ids_and_lengths():
     deterministic dq kernel's case is in tests/cuda/kernel_check.cu)."""
     rng = np.random.default_rng(31)
     batch, lq, lk, heads, kv_heads, d = 2, 300, 500, 4, 2, 128
+    require_cuda_kernel(d, jnp.bfloat16)
     q, k, v = qkv(rng, batch, lq, lk, heads, kv_heads, d, jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal((batch, heads, lq, lk)), jnp.bfloat16)
     q_seg = np.sort(rng.integers(0, 3, (batch, lq)), axis=1).astype(np.int32)

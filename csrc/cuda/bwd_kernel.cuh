@@ -92,8 +92,9 @@ struct BwdTraits {
   static constexpr bool kWgmmaShape = NW == 8 && KA == 16 && WKA % 4 == 0 && KB == 16 &&
                                       WKB % 4 == 0 && QC == 16 && WMC == 4 && CH == DC &&
                                       D % 64 == 0 && BM == 64 &&
-                                      (QA == 32 || QA == 64) && (DB == 64 || DB == 128) &&
-                                      (CH == 64 || CH == 128);
+                                      (QA == 32 || QA == 64) &&
+                                      (DB == 32 || DB == 64 || DB == 128) &&
+                                      (CH == 32 || CH == 64 || CH == 128);
 #if defined(DMATTN_WGMMA)
   static constexpr bool kWgmma = kAllowWgmma && kWgmmaShape;
 #else
@@ -161,6 +162,14 @@ struct BwdTraits {
   // columns each warp walks.
   static constexpr bool kFoldB = (DB & (DB - 1)) == 0;
   static constexpr bool kFoldC = (DC & (DC - 1)) == 0 && (QC & (QC - 1)) == 0;
+  static constexpr bool kOffHopper = false;
+};
+
+// A tile of a head dim whose sm_90a tiles replace it on Hopper (launch_template.cuh): its
+// kernels are left out of sm_90a code (a trap), which halves the time of that pass.
+template <typename Tr>
+struct OffHopper : Tr {
+  static constexpr bool kOffHopper = true;
 };
 
 // The dq accumulator of wgmma tiles: [batch, H, Lq, D] fp32, the 16-byte chunks of row i XOR-ed
@@ -697,7 +706,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       // keys kb0 of the warpgroup's first warp in phase B; dO and Q are MN-major there (queries
       // down the rows).
       const uint32_t kb_row = static_cast<uint32_t>((kb0 - (warp % 4) * 16) * 128);
-      const uint32_t db_col = static_cast<uint32_t>((db0 / 64) * BM * 128) + so;
+      const uint32_t db_col = mnmajor_col(db0, BM) + so;
       auto mn_step = [](int ks) { return mnmajor_step(ks); };
       if constexpr (kEarlyB) {  // GEMM: dV += P^T dO, in flight during dS
         wgmma_async(
@@ -942,7 +951,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
               for (int e = 0; e < 4; ++e) acc[mt][t][e] = 0.f;
           if constexpr (Tr::kWgmma) {
             // dS (keys down the rows) and K are both MN-major here.
-            const uint32_t k_col = ((dc0 + ch * CH) / 64) * BN * 128;
+            const uint32_t k_col = mnmajor_col(dc0 + ch * CH, BN);
             wgmma_group(
                 [&] {
                   wgmma_issue<1, 1, BN / 16>(flat(acc), gmma_desc(smem_u32(sdS), BN * 128),
@@ -1130,8 +1139,9 @@ __device__ __forceinline__ void zero_unwritten_dbias(const BwdParams& p) {
 
 }  // namespace detail
 
-// Tiles too large for sm_80's shared memory, and tiles that stage dQ off sm_90a, compile to a
-// trap (they are never launched there: launch_template.cuh picks tiles by device). kBias: the
+// Tiles too large for sm_80's shared memory, tiles that stage dQ off sm_90a, and OffHopper tiles
+// on sm_90a compile to a trap (they are never launched there: launch_template.cuh picks tiles by
+// device). kBias: the
 // call has a bias (without, none of the bias and dbias code takes registers from the GEMMs);
 // kIndex: the index masks compiled (IndexKind, index_masks.cuh), kTable a window table
 // (likewise).
@@ -1139,8 +1149,8 @@ template <typename Tr, typename T, bool kBias, int kIndex, bool kTable>
 __global__ void __launch_bounds__(Tr::kNT, Tr::kMinBlocks)
     bwd_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__)
-  constexpr bool kCompiled =
-      (__CUDA_ARCH__ >= 900 || Tr::kSmem <= kSmemLimitSm80) && (!Tr::kDqStaged || Tr::kWgmma);
+  constexpr bool kCompiled = (__CUDA_ARCH__ >= 900 || Tr::kSmem <= kSmemLimitSm80) &&
+                             (!Tr::kDqStaged || Tr::kWgmma) && !(kSm90aPass && Tr::kOffHopper);
 #else
   constexpr bool kCompiled = true;
 #endif

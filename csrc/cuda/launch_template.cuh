@@ -80,36 +80,44 @@ struct BwdConfig;
 template <>
 struct BwdConfig<32> : BwdTilesSm80<32, BwdTraits<32, 128, 64, 8, 4, 4, 4, 2>> {};
 template <>
-struct BwdConfig<64> : BwdTilesSm80<64, BwdTraits<64, 128, 64, 8, 4, 4, 4, 2>> {};
+struct BwdConfig<64> : BwdTilesSm80<64, OffHopper<BwdTraits<64, 128, 64, 8, 4, 4, 4, 2>>> {};
 template <>
 struct BwdConfig<96> : BwdTilesSm80<96, BwdTraits<96, 64, 64, 8, 4, 4, 4, 2>> {};
 template <>
-struct BwdConfig<128> : BwdTilesSm80<128, BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>,
-                                     BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>> {};
+struct BwdConfig<128> : BwdTilesSm80<128, OffHopper<BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>>,
+                                     OffHopper<BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>>> {};
 template <>
 struct BwdConfig<192> : BwdTilesSm80<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
 template <>
 struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
 
-// sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them. The 64-key tile
-// (two stages) serves grids the 128-key one would leave short of CTAs. The 128-key tile keeps
-// one stage (H200, tests/cuda/tune_bwd128.cu: two stages are slower, most with a mask) and takes
-// a per-query bias too (bias + mask [B,H,L,L] 5.96 ms against 6.24 on the 64-key tile;
-// benchmarks/results/logs/bwd_tiles_h200.md).
+// sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them (the sm_80 tiles of
+// that head dim are OffHopper: the sm_90a pass compiles them to a trap). The 64-key tile (two
+// stages) serves grids the 128-key one would leave short of CTAs. At D = 128 the 128-key tile
+// keeps one stage (H200, tests/cuda/tune_bwd128.cu: two stages are slower, most with a mask)
+// and takes a per-query bias too (bias + mask [B,H,L,L] 5.96 ms against 6.24 on the 64-key
+// tile; benchmarks/results/logs/bwd_tiles_h200.md). At D = 64 each warpgroup's dQ (and the
+// 64-key tile's dK, dV) is half of the head dim: wgmmas of N = 32.
+template <int D, typename Main, typename NarrowTile>
+struct BwdTilesSm90 : BwdTiles<D, Main, NarrowTile> {
+  static_assert(Main::kWgmma == NarrowTile::kWgmma, "both tiles on wgmma (in sm_90a code)");
+  static_assert(Main::kFitsQueryBias && NarrowTile::kFitsQueryBias, "both tiles take any bias");
+  static_assert(Main::kSmem + kSegmentSmem <= kSmemLimitSm90 &&
+                    NarrowTile::kSmem + kSegmentSmem <= kSmemLimitSm90,
+                "and segment ids");
+  static bool UseNarrow(const BwdLaunch& l) {
+    return BackwardCtas(l, Main::BN) < 2 * static_cast<int64_t>(MultiProcessors()) ||
+           FinerBlocks(l.p.s, Main::BM, Main::BN);
+  }
+};
 template <int D>
 struct BwdConfigSm90 : BwdConfig<D> {};
 template <>
-struct BwdConfigSm90<128> : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
-                                     BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {
-  static_assert(Traits::kFitsQueryBias && Narrow::kFitsQueryBias, "both tiles take any bias");
-  static_assert(Traits::kSmem + kSegmentSmem <= kSmemLimitSm90 &&
-                    Narrow::kSmem + kSegmentSmem <= kSmemLimitSm90,
-                "and segment ids");
-  static bool UseNarrow(const BwdLaunch& l) {
-    return BackwardCtas(l, Traits::BN) < 2 * static_cast<int64_t>(MultiProcessors()) ||
-           FinerBlocks(l.p.s, Traits::BM, Traits::BN);
-  }
-};
+struct BwdConfigSm90<64> : BwdTilesSm90<64, BwdTraits<64, 128, 64, 8, 8, 8, 4, 2>,
+                                        BwdTraits<64, 64, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfigSm90<128> : BwdTilesSm90<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
+                                         BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {};
 
 #if defined(DMATTN_CUDA_TUNING)
 // Test builds only: DMATTN_CUDA_VARIANT=<n> (n > 0) runs alternative tiles, defined for some

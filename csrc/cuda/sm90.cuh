@@ -23,6 +23,14 @@
 #define DMATTN_WGMMA 1
 #endif
 
+namespace dmattn::cuda {
+#if defined(DMATTN_WGMMA)
+constexpr bool kSm90aPass = true;  // this device pass compiles sm_90a code
+#else
+constexpr bool kSm90aPass = false;
+#endif
+}  // namespace dmattn::cuda
+
 namespace dmattn::cuda::detail {
 
 // Descriptor of a 128-byte-swizzled SwizzledTile operand starting at `addr` (its 8-row groups
@@ -173,6 +181,13 @@ __device__ __forceinline__ constexpr uint32_t kmajor_step(int ks, int rows) {
 }
 __device__ __forceinline__ constexpr uint32_t mnmajor_step(int ks) {
   return static_cast<uint32_t>(ks * 2048);
+}
+// Byte offset of column `col` (a multiple of 8) along M / N of an MN-major SwizzledTile operand
+// of `rows` rows: its 64-column panel, then its place in the panel's 128-byte rows. An operand of
+// 32 columns (wgmma N = 32) may start half way into a panel: the hardware swizzles the address it
+// forms from the descriptor's start, as it does for kmajor_step's 32-byte steps.
+__device__ __forceinline__ constexpr uint32_t mnmajor_col(int col, int rows) {
+  return static_cast<uint32_t>((col / 64) * rows * 128 + (col % 64) * 2);
 }
 
 // An mma.sync accumulator array [tiles][tiles][4] as the flat accumulator of one wgmma.

@@ -22,11 +22,10 @@ struct TwoStageWide : BwdTiles<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 2>,
 
 template <>
 cudaError_t RunBackwardVariant<128, BF16>(int v, const BwdLaunch& l, cudaStream_t st) {
-  using Cfg = BwdConfig<128>;
-  using Dq = Cfg::DqTraits;
-  switch (v) {
-    case 1: return RunBackwardTiles<Cfg::Traits, Dq, BF16>(l, st);
-    case 2: return RunBackwardTiles<Cfg::Narrow, Dq, BF16>(l, st);
+  using Dq = BwdConfig<128>::DqTraits;
+  switch (v) {  // (1, 2: BwdConfig<128>'s tiles, which are OffHopper there)
+    case 1: return RunBackwardTiles<BwdTraits<128, 128, 64, 8, 4, 4, 2, 1>, Dq, BF16>(l, st);
+    case 2: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>, Dq, BF16>(l, st);
     case 3: return RunBackwardConfig<TwoStageWide, BF16>(l, st);
     case 4: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>, Dq, BF16>(l, st);
     case 5: return RunBackwardTiles<BwdTraits<128, 64, 64, 8, 4, 4, 4, 1>, Dq, BF16>(l, st);

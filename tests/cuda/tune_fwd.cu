@@ -8,7 +8,7 @@ namespace dmattn::cuda {
 using BF16 = __nv_bfloat16;
 
 int TuningVariants(bool backward, int head_dim) {
-  if (backward) return head_dim == 128 ? 7 : (head_dim == 64 ? 2 : 0);
+  if (backward) return head_dim == 128 ? 7 : (head_dim == 64 ? 4 : 0);
   return head_dim == 64 ? 1 : (head_dim == 128 ? 3 : 0);
 }
 
@@ -19,7 +19,8 @@ int TuningVariants(bool backward, int head_dim) {
 template <>
 cudaError_t RunForwardVariant<64, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
   if (v != 1) return cudaErrorNotSupported;
-  if (!sm90::Takes(p) || p.q_segments != nullptr) {  // segment ids: kernels of their own
+  // segment ids, window tables: kernels of their own
+  if (!sm90::Takes(p) || p.q_segments != nullptr || p.windows.heads > 0) {
     return RunForwardTiles<FwdConfig<64>::Traits, BF16>(p, stream);
   }
   if (p.mask == nullptr && p.bias == nullptr) {
