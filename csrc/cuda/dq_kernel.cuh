@@ -3,6 +3,9 @@
 // shape.deterministic; the main backward kernel then skips its dQ phase. Index masks
 // (kIndex) and window tables (kTable) act as in the forward (index_masks.cuh, fwd_kernel.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
+// On sm_90a (D = 64, 128) the CTA's four warps are one warpgroup and the GEMMs are wgmmas: S and
+// dP from shared memory, dQ += dS K with dS from registers (a warp's accumulator rows are its
+// mma.sync rows, so the element code is shared).
 #pragma once
 
 #include <cmath>
@@ -11,6 +14,7 @@
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
+#include "cuda/sm90.cuh"
 
 namespace dmattn::cuda {
 
@@ -37,6 +41,13 @@ struct DqTraits {
   static constexpr int kOffMask = kOffBias + BM * kBiasPitch * 2;
   static constexpr int kMaskTile = BM * kMaskPitch;
   static constexpr int kSmem = kOffMask + kMaskTile;
+#if defined(DMATTN_WGMMA)
+  static constexpr bool kWgmma = NW == 4 && BM == 64 && BN == 64 && (D == 64 || D == 128);
+#else
+  static constexpr bool kWgmma = false;
+#endif
+  static_assert(!kWgmma || (kOffdO % 1024 == 0 && kOffK % 1024 == 0 && kOffV % 1024 == 0),
+                "wgmma operands start on 1024-byte boundaries");
 };
 
 template <typename Tr, typename T, int kIndex, bool kTable>
@@ -197,6 +208,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   while (n >= n_lo) {
     const int n0 = n * BN;
     cp_async_wait<0>();
+    if constexpr (Tr::kWgmma) fence_async_shared();
     __syncthreads();  // K, V, bias, mask of block n visible
 
     // The forms' element test before the GEMMs, as in the forward: bit (half NTS + t) 2 + e.
@@ -235,20 +247,33 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         dp[t][2 * half + 1] = 0.f;
       }
     }
+    if constexpr (Tr::kWgmma) {
+      auto q_step = [](int ks) { return kmajor_step(ks, BM); };
+      auto k_step = [](int ks) { return kmajor_step(ks, BN); };
+      wgmma_group(
+          [&] {
+            wgmma_issue<0, 0, D / 16>(flat(sc), gmma_desc(smem_u32(sQ), 0),
+                                      gmma_desc(smem_u32(sK), 0), q_step, k_step, T());
+            wgmma_issue<0, 0, D / 16>(flat(dp), gmma_desc(smem_u32(sdO), 0),
+                                      gmma_desc(smem_u32(sV), 0), q_step, k_step, T());
+          },
+          flat(sc), flat(dp));
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t aq[4], ao[4];
-      ldsm_x4(aq, fq(0, ks * 16));
-      ldsm_x4(ao, fo(0, ks * 16));
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t aq[4], ao[4];
+        ldsm_x4(aq, fq(0, ks * 16));
+        ldsm_x4(ao, fo(0, ks * 16));
 #pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bk[4], bv[4];
-        ldsm_x4(bk, fk(np * 16, ks * 16));
-        ldsm_x4(bv, fv(np * 16, ks * 16));
-        E::mma(sc[2 * np], aq, bk[0], bk[1]);
-        E::mma(sc[2 * np + 1], aq, bk[2], bk[3]);
-        E::mma(dp[2 * np], ao, bv[0], bv[1]);
-        E::mma(dp[2 * np + 1], ao, bv[2], bv[3]);
+        for (int np = 0; np < BN / 16; ++np) {
+          uint32_t bk[4], bv[4];
+          ldsm_x4(bk, fk(np * 16, ks * 16));
+          ldsm_x4(bv, fv(np * 16, ks * 16));
+          E::mma(sc[2 * np], aq, bk[0], bk[1]);
+          E::mma(sc[2 * np + 1], aq, bk[2], bk[3]);
+          E::mma(dp[2 * np], ao, bv[0], bv[1]);
+          E::mma(dp[2 * np + 1], ao, bv[2], bv[3]);
+        }
       }
     }
 
@@ -304,20 +329,32 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       cp_async_commit();
     }
 
-    // dQ += dS K
+    // dQ += dS K (dS as the A fragments of the k-steps: 16 keys each)
+    uint32_t ds[BN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = E::pack(sc[2 * kk][0], sc[2 * kk][1]);
-      a[1] = E::pack(sc[2 * kk][2], sc[2 * kk][3]);
-      a[2] = E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      a[3] = E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      ds[kk][0] = E::pack(sc[2 * kk][0], sc[2 * kk][1]);
+      ds[kk][1] = E::pack(sc[2 * kk][2], sc[2 * kk][3]);
+      ds[kk][2] = E::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      ds[kk][3] = E::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+    if constexpr (Tr::kWgmma) {  // K is MN-major here (D along its rows)
+      wgmma_group(
+          [&] {
+            wgmma_issue_rs<1, BN / 16>(flat(acc), ds, gmma_desc(smem_u32(sK), BN * 128),
+                                       [](int kk) { return mnmajor_step(kk); }, T());
+          },
+          flat(acc));
+    } else {
 #pragma unroll
-      for (int dq = 0; dq < D / 16; ++dq) {
-        uint32_t bk[4];
-        ldsm_x4_t(bk, fkT(kk * 16, dq * 16));
-        E::mma(acc[2 * dq], a, bk[0], bk[1]);
-        E::mma(acc[2 * dq + 1], a, bk[2], bk[3]);
+      for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+        for (int dq = 0; dq < D / 16; ++dq) {
+          uint32_t bk[4];
+          ldsm_x4_t(bk, fkT(kk * 16, dq * 16));
+          E::mma(acc[2 * dq], ds[kk], bk[0], bk[1]);
+          E::mma(acc[2 * dq + 1], ds[kk], bk[2], bk[3]);
+        }
       }
     }
     __syncthreads();  // K free

@@ -323,14 +323,14 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   // 1. softmax_d = rowsum(dout * out) - dlse
   {
     const int64_t rows = B * s.seqlen_q * s.num_heads;
-    const int warps = 8;
-    const int64_t blocks = (rows + warps - 1) / warps;
+    const int threads = 256;
+    const int64_t blocks = (rows * PreprocessLanes(D) + threads - 1) / threads;
     const unsigned grid = static_cast<unsigned>(blocks);
     if (launch.out_f32) {
-      bwd_preprocess<D, T><<<grid, warps * 32, 0, stream>>>(
+      bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(
           p, static_cast<const float*>(launch.out), launch.dlse, launch.softmax_d, rows);
     } else {
-      bwd_preprocess<D, T><<<grid, warps * 32, 0, stream>>>(
+      bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(
           p, static_cast<const T*>(launch.out), launch.dlse, launch.softmax_d, rows);
     }
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

@@ -196,6 +196,12 @@ __device__ __forceinline__ float (&flat(float (&acc)[M][N][4]))[M * N * 4] {
   return reinterpret_cast<float(&)[M * N * 4]>(acc);
 }
 
+// An mma.sync accumulator array [tiles][4] (one 16-row tile) as the flat accumulator of one wgmma.
+template <int N>
+__device__ __forceinline__ float (&flat(float (&acc)[N][4]))[N * 4] {
+  return reinterpret_cast<float(&)[N * 4]>(acc);
+}
+
 // Issues the wgmmas that `issue` issues as one group, not waited for: the accumulators may be
 // read after wgmma_wait<n> (n = the groups issued after this one) and fence_operands.
 template <typename Issue, int... R>

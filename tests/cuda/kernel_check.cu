@@ -1737,6 +1737,11 @@ void Bench(bool variants, const std::string& only) {
                        mk("b2b", 8, 16, 16, 2048, 128, true, false, false), 0});
   }
   benches.push_back({"dense d64 L4k B4 H32", mk("b3", 4, 32, 32, 4096, 64, false, false, false), 0});
+  {
+    Case c = mk("b3d", 4, 32, 32, 4096, 64, false, false, false);
+    c.deterministic = true;
+    benches.push_back({"dense d64 L4k B4 H32 (deterministic dq kernel)", c, 0});
+  }
   benches.push_back({"dense d64 L4k B4 H32 causal", mk("b3c", 4, 32, 32, 4096, 64, true, false, false), 0});
   benches.push_back({"dense d64 L16k B1 H32 causal", mk("b3l", 1, 32, 32, 16384, 64, true, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
