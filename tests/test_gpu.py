@@ -23,6 +23,7 @@ from conftest import (
     run_case,
     tolerance,
 )
+from form_checks import require_cuda_kernel
 from test_conformance import BROADCAST_CASES, DPA_CASES, SHAPE_CASES, SPECIAL_CASES
 
 from jax_dmattn import _ffi, flash_dmattn
@@ -185,6 +186,7 @@ def test_forward_kernel_query():
 
 
 def test_default_implementation_uses_cuda():
+    require_cuda_kernel(64, jnp.bfloat16)
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
     text = jax.jit(lambda q: flash_dmattn(q, q, q)).lower(q).as_text()
     assert "dmattn_fwd" in text
@@ -278,6 +280,7 @@ def _bits_written(rows: int, cols: int, pitch: int, params: AttentionParams, cel
 def test_deterministic_gradients_bitwise():
     case = Case(B=2, Lq=300, Lk=520, H=8, Hk=1, D=64, dtype="bfloat16",
                 mask=("B", "1", "Lq", "Lk"), bias=("1", "1", "1", "Lk"))
+    require_cuda_kernel(case.D, case.dtype)
     inputs = make_inputs(case)
     first = run_case(case, inputs, IMPL, case.dtype, deterministic=True)
     second = run_case(case, inputs, IMPL, case.dtype, deterministic=True)
@@ -339,6 +342,7 @@ def _transformed(kind, impl):
 def test_transformations(kind, dtype):
     """jit of vmap + grad, vmap of grad, and checkpoint, against the same transformation of the
     xla implementation in float64 (tolerance) and in `dtype` (at most 2x its error)."""
+    require_cuda_kernel(D, dtype)
     x = _inputs(zlib.crc32(kind.encode()), dtype)
     names = ("q", "k", "v", "bias", "mask", "w")
 

@@ -959,15 +959,21 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
                 },
                 flat(acc));
 
-            // into the stage; the reduction is issued after the next barrier
+            // into the stage; the reduction is issued after the next barrier. The stage's
+            // swizzle sees a row's index mod 4 (rows r and r + 8 alike) and repeats every 32
+            // columns: four column offsets serve all the stores.
+            static_assert((D % 32) == 0 && (CH % 32 == 0 || CH < 32), "whole swizzle periods");
+            float* const row = sDq + (qc0 + g) * D;
 #pragma unroll
-            for (int t = 0; t < CH / 8; ++t)
+            for (int t = 0; t < CH / 8; ++t) {
+              const int col =
+                  StagedDq::column(qc0 + g, dc0 + ch * CH + (t % 4) * 8 + 2 * tq) + (t / 4) * 32;
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
-                const int r = qc0 + g + 8 * half, c = dc0 + ch * CH + t * 8 + 2 * tq;
-                *reinterpret_cast<float2*>(sDq + r * D + StagedDq::column(r, c)) =
+                *reinterpret_cast<float2*>(row + half * 8 * D + col) =
                     make_float2(acc[0][t][2 * half], acc[0][t][2 * half + 1]);
               }
+            }
           } else {
 #pragma unroll
             for (int ks = 0; ks < BN / 16; ++ks) {
