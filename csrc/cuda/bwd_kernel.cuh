@@ -88,9 +88,10 @@ struct BwdTraits {
   static_assert(QC % 16 == 0 && DC * (NW / WMC) == D && DC % CH == 0 && CH % 16 == 0,
                 "phase C warp tile");
   // wgmma: in every phase a warpgroup (4 consecutive warps) stacks four 16-row warp tiles along
-  // M (keys in A and B, queries in C), and its N (QA, DB, CH) is a wgmma width.
+  // M (keys in A and B, queries in C), and its N (QA, DB, CH; DC in chunks of CH) is a wgmma
+  // width.
   static constexpr bool kWgmmaShape = NW == 8 && KA == 16 && WKA % 4 == 0 && KB == 16 &&
-                                      WKB % 4 == 0 && QC == 16 && WMC == 4 && CH == DC &&
+                                      WKB % 4 == 0 && QC == 16 && WMC == 4 && DC % CH == 0 &&
                                       D % 64 == 0 && BM == 64 &&
                                       (QA == 32 || QA == 64) &&
                                       (DB == 32 || DB == 64 || DB == 128) &&

@@ -88,8 +88,11 @@ struct BwdConfig<128> : BwdTilesSm80<128, OffHopper<BwdTraits<128, 128, 64, 8, 4
                                      OffHopper<BwdTraits<128, 64, 64, 8, 2, 4, 4, 2>>> {};
 template <>
 struct BwdConfig<192> : BwdTilesSm80<192, BwdTraits<192, 64, 64, 8, 4, 4, 4, 1>> {};
+// (kAllowWgmma false: the same warp grid is wgmma-shaped, and its 64 KB dQ stage would not fit
+// sm_80.)
 template <>
-struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
+struct BwdConfig<256>
+    : BwdTilesSm80<256, OffHopper<BwdTraits<256, 64, 64, 8, 4, 4, 4, 1, false>>> {};
 
 // sm_90a tiles (wgmma, dQ through bulk reductions) where a head dim has them (the sm_80 tiles of
 // that head dim are OffHopper: the sm_90a pass compiles them to a trap). The 64-key tile (two
@@ -97,8 +100,9 @@ struct BwdConfig<256> : BwdTilesSm80<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>>
 // keeps one stage (H200, tests/cuda/tune_bwd128.cu: two stages are slower, most with a mask)
 // and takes a per-query bias too (bias + mask [B,H,L,L] 5.96 ms against 6.24 on the 64-key
 // tile; benchmarks/results/logs/bwd_tiles_h200.md). At D = 64 each warpgroup's dQ (and the
-// 64-key tile's dK, dV) is half of the head dim: wgmmas of N = 32.
-template <int D, typename Main, typename NarrowTile>
+// 64-key tile's dK, dV) is half of the head dim: wgmmas of N = 32. D = 256 has the 64-key tile
+// alone, its dQ in two chunks of N = 64 per warpgroup.
+template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTilesSm90 : BwdTiles<D, Main, NarrowTile> {
   static_assert(Main::kWgmma == NarrowTile::kWgmma, "both tiles on wgmma (in sm_90a code)");
   static_assert(Main::kFitsQueryBias && NarrowTile::kFitsQueryBias, "both tiles take any bias");
@@ -118,6 +122,8 @@ struct BwdConfigSm90<64> : BwdTilesSm90<64, BwdTraits<64, 128, 64, 8, 8, 8, 4, 2
 template <>
 struct BwdConfigSm90<128> : BwdTilesSm90<128, BwdTraits<128, 128, 64, 8, 8, 8, 4, 1>,
                                          BwdTraits<128, 64, 64, 8, 4, 4, 4, 2>> {};
+template <>
+struct BwdConfigSm90<256> : BwdTilesSm90<256, BwdTraits<256, 64, 64, 8, 4, 4, 4, 1>> {};
 
 #if defined(DMATTN_CUDA_TUNING)
 // Test builds only: DMATTN_CUDA_VARIANT=<n> (n > 0) runs alternative tiles, defined for some

@@ -1439,6 +1439,12 @@ std::vector<Case> QuickCases() {
     c.D = 64; v.push_back(c);
   }
   {
+    // the D = 256 wgmma backward (dQ in two chunks), with a full bias (dbias) and a mask
+    Case c; c.name = "quick_q90_k130_d256_causal_mask_bias"; c.H = 2; c.Hk = 1; c.Lq = 90;
+    c.Lk = 130; c.D = 256; c.causal = true; c.mask = Op({1}, 2, true, true);
+    c.bias = Op({1}, 2, true, true); v.push_back(c);
+  }
+  {
     // the Hopper forward: irregular lengths, causal with Lq < Lk, GQA, sequence lengths
     Case c; c.name = "quick_q17_k129_d128_causal_gqa"; c.batch = {2}; c.H = 4; c.Hk = 2;
     c.Lq = 17; c.Lk = 129; c.D = 128; c.causal = true; v.push_back(c);
