@@ -26,7 +26,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from gpu_suites import block_mask
-from hopper_forward import back_to_back_ms, dense_cases, environment, relative_error
+from hopper_forward import (
+    back_to_back_ms,
+    dense_cases,
+    environment,
+    ratio_cells,
+    relative_error,
+)
 
 import jax_dmattn
 from jax_dmattn._timing import attention_flops
@@ -157,16 +163,9 @@ def dense_markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|" + "---|" * len(IMPLS) + "---|",
     ]
     for r in rows:
-        cells = []
-        for impl in IMPLS:
-            if f"{impl}_ms" not in r:
-                cells.append("n/a")
-                continue
-            ratio = r["cudnn_ms"] / r[f"{impl}_ms"]
-            cells.append(f"{r[f'{impl}_ms']:.3f} ({r[f'{impl}_tflops']:.0f}, {ratio:.2f}×)")
         err = max(r.get(f"{i}_err", 0.0) for i in IMPLS)
         lines.append(f"| {r['head_dim']} | {r['length'] // 1024}k | {r['batch']} | {r['heads']} | "
-                     f"{'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
+                     f"{'yes' if r['causal'] else 'no'} | " + " | ".join(ratio_cells(r, IMPLS))
                      + f" | {err:.1e} |")
     return "\n".join(lines) + "\n"
 

@@ -287,6 +287,18 @@ def header(env: dict) -> str:
     ]) + "\n"
 
 
+def ratio_cells(row: dict, impls: tuple[str, ...]) -> list[str]:
+    """`ms (TF/s, ×cuDNN)` of each implementation in `row`, `n/a` where it did not run."""
+    cells = []
+    for impl in impls:
+        if f"{impl}_ms" not in row:
+            cells.append("n/a")
+            continue
+        ratio = row["cudnn_ms"] / row[f"{impl}_ms"]
+        cells.append(f"{row[f'{impl}_ms']:.3f} ({row[f'{impl}_tflops']:.0f}, {ratio:.2f}×)")
+    return cells
+
+
 def dense_markdown(rows: list[dict]) -> str:
     lines = [
         "",
@@ -300,17 +312,10 @@ def dense_markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|" + "---|" * len(IMPLS) + "---|",
     ]
     for r in rows:
-        cells = []
-        for impl in IMPLS:
-            if f"{impl}_ms" not in r:
-                cells.append("n/a")
-                continue
-            ratio = r["cudnn_ms"] / r[f"{impl}_ms"]
-            cells.append(f"{r[f'{impl}_ms']:.3f} ({r[f'{impl}_tflops']:.0f}, {ratio:.2f}×)")
         err = max(r.get(f"{i}_err", 0.0) for i in IMPLS)
         lines.append(f"| {r['head_dim']} | {r['length'] // 1024}k | {r['batch']} | {r['heads']} | "
-                     f"{'yes' if r['causal'] else 'no'} | {r['kernel']} | " + " | ".join(cells)
-                     + f" | {err:.1e} |")
+                     f"{'yes' if r['causal'] else 'no'} | {r['kernel']} | "
+                     + " | ".join(ratio_cells(r, IMPLS)) + f" | {err:.1e} |")
     return "\n".join(lines) + "\n"
 
 
