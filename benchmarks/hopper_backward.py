@@ -10,7 +10,8 @@ is timed.
 Workloads: DESIGN.md §5's dense suite (B·L = 16k tokens, H·D = 2048, D ∈ {64, 128, 256},
 L ∈ {4k, 16k}, causal and not); the full [B, H, L, L] bias + 50 % random mask with dbias,
 causal, D128 L4k B4 H16, against cuDNN given the same bias and mask; a 10 % block-density mask
-[1, 1, L, L] (128 × 128 blocks), L16k H16 D128, against the same call without a mask.
+[1, 1, L, L] (128 × 128 blocks), L16k H16 D128, against the same call without a mask;
+``dynamic_attention`` (L16k, W1024, D128, B1 H2 Hk1).
 
     python benchmarks/hopper_backward.py [--quick] [--only dense|masked] [--head-dims 64 128]
                                          [--out benchmarks/results]
@@ -36,6 +37,7 @@ from hopper_forward import (
 
 import jax_dmattn
 from jax_dmattn._timing import attention_flops
+from jax_dmattn.dynamic import dynamic_attention
 
 CALLS, REPEATS = 20, 3
 IMPLS = ("ours", "ours_det", "cudnn", "pallas_mgpu")
@@ -110,7 +112,8 @@ def dense_row(case: dict) -> dict:
 
 
 def masked_rows(quick: bool) -> list[dict]:
-    """bias + 50 % mask with dbias vs cuDNN; 10 % block density vs our dense call."""
+    """bias + 50 % mask with dbias vs cuDNN; 10 % block density vs our dense call;
+    dynamic_attention (with the gradient of its per-key bias)."""
     rows = []
     b, length, h, d = (1, 1024, 4, 128) if quick else (4, 4096, 16, 128)
     keys = jax.random.split(jax.random.PRNGKey(7), 6)
@@ -144,6 +147,17 @@ def masked_rows(quick: bool) -> list[dict]:
     rows.append(dict(workload=f"10 % block mask [1,1,L,L] D{d} L{length // 1024}k B1 H{h}",
                      ours_ms=back_to_back_ms(sparse, q, k, v, sparse_mask, cotangent),
                      dense_ms=back_to_back_ms(dense, q, k, v, cotangent)))
+    del sparse_mask
+    jax.clear_caches()
+
+    keys = jax.random.split(jax.random.PRNGKey(9), 5)
+    q, cotangent = (jax.random.normal(key, (1, length, 2, d), jnp.bfloat16) for key in keys[:2])
+    k, v = (jax.random.normal(key, (1, length, 1, d), jnp.bfloat16) for key in keys[2:4])
+    key_bias = jax.random.normal(keys[4], (1, 1, 1, length), jnp.bfloat16)
+    dynamic = gradients(lambda q, k, v, bias: dynamic_attention(
+        q, k, v, bias, 1024, is_causal=True, implementation="cuda"), (0, 1, 2, 3))
+    rows.append(dict(workload=f"dynamic_attention W1024 D{d} L{length // 1024}k B1 H2 Hk1",
+                     ours_ms=back_to_back_ms(dynamic, q, k, v, key_bias, cotangent)))
     for row in rows:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
               flush=True)
