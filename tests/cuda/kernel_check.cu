@@ -1749,6 +1749,8 @@ void Bench(bool variants, const std::string& only) {
     benches.push_back({"dense d64 L4k B4 H32 (deterministic dq kernel)", c, 0});
   }
   benches.push_back({"dense d64 L4k B4 H32 causal", mk("b3c", 4, 32, 32, 4096, 64, true, false, false), 0});
+  // a grid of 128 CTAs on the 128-key tile: the backward takes the 64-key tile (UseNarrow)
+  benches.push_back({"dense d64 L8k B1 H16 Hk2 (small grid)", mk("b3g", 1, 16, 2, 8192, 64, false, false, false), 0});
   benches.push_back({"dense d64 L16k B1 H32 causal", mk("b3l", 1, 32, 32, 16384, 64, true, false, false), 0});
   benches.push_back({"dense d256 L4k B2 H8", mk("b7", 2, 8, 8, 4096, 256, false, false, false), 0});
   benches.push_back({"bias+mask[B,H,L,L] d128 L4k B4 H16 causal", mk("b4", 4, 16, 16, 4096, 128, true, true, false), 0});
