@@ -77,23 +77,29 @@ def check_qkv(query, key, value, implementation: str | None) -> tuple[jax.Array,
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D {layout}, got shape {x.shape}")
     _check_dtype(q, implementation)
-    for x, name in ((k, "key"), (v, "value")):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype {q.dtype.name}")
-    if k.shape != v.shape:
-        raise ValueError(f"key and value shapes differ: {k.shape} vs {v.shape}")
-    batch, seqlen_q, heads, head_dim = q.shape
+    _check_keys_against_query(q, k, v, ("key", "value"))
+    batch, seqlen_q, _, head_dim = q.shape
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(
             f"key shape {k.shape} does not match query shape {q.shape}: expected "
             f"[{batch}, Lk, Hk, {head_dim}]")
     if seqlen_q < 1 or k.shape[1] < 1:
         raise ValueError(f"sequence lengths must be >= 1, got query {q.shape}, key {k.shape}")
-    kv_heads = k.shape[2]
+    return q, k, v
+
+
+def _check_keys_against_query(q: jax.Array, k: jax.Array, v: jax.Array,
+                              names: tuple[str, str]) -> None:
+    """k and v (4-D, heads on dim 2) of q's dtype and one shape, their heads dividing q's."""
+    for x, name in zip((k, v), names, strict=True):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype {q.dtype.name}")
+    if k.shape != v.shape:
+        raise ValueError(f"{names[0]} and {names[1]} shapes differ: {k.shape} vs {v.shape}")
+    heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
             f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")
-    return q, k, v
 
 
 def _check_dtype(q: jax.Array, implementation: str | None) -> None:
@@ -124,18 +130,11 @@ def check_paged_cache(query, key_pages, value_pages, page_table, kv_lens,
         if x.ndim != 4 or x.shape[0] < 1 or x.shape[3] != head_dim:
             raise ValueError(f"{name} must be [num_pages, page_size, Hk, {head_dim}], got shape "
                              f"{x.shape}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {x.dtype.name} differs from query dtype "
-                            f"{q.dtype.name}")
-    if k.shape != v.shape:
-        raise ValueError(f"key_pages and value_pages shapes differ: {k.shape} vs {v.shape}")
+    _check_keys_against_query(q, k, v, ("key_pages", "value_pages"))
     num_pages, page_size, kv_heads, _ = k.shape
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
         raise ValueError(f"page_size (key_pages.shape[1]) must be a power of two, at least "
                          f"{MIN_PAGE_SIZE}, got {page_size}")
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(
-            f"query heads H={heads} must be a multiple of key/value heads Hk={kv_heads}")
     if seqlen_q < 1:
         raise ValueError(f"query must have at least one row, got shape {q.shape}")
     table = as_array(page_table, "page_table")
