@@ -3,8 +3,9 @@
 Each implementation is timed in this one process on the same inputs and cotangent (bf16; fp16
 for the Pallas Mosaic-GPU kernel, whose backward is non-causal only): ``jit`` of the gradients
 with respect to q, k, v (and the bias where there is one), back to back, 20 calls then one
-``block_until_ready``, best of 3 after warm-up. jax_dmattn runs twice: with the default
-(atomic) dQ and with ``deterministic=True``. Every gradient is checked against cuDNN's before it
+``block_until_ready``, best of 3 after warm-up. jax_dmattn runs three times: the dispatcher's
+choice with the default (atomic) dQ, the same with the FlashAttention-2-class backward forced,
+and with ``deterministic=True``. Every gradient is checked against cuDNN's before it
 is timed.
 
 Workloads: DESIGN.md §5's dense suite (B·L = 16k tokens, H·D = 2048, D ∈ {64, 128, 256},
@@ -36,12 +37,14 @@ from hopper_forward import (
 )
 
 import jax_dmattn
+from jax_dmattn import _ffi
 from jax_dmattn._timing import attention_flops
 from jax_dmattn.dynamic import dynamic_attention
 
 CALLS, REPEATS = 20, 3
-IMPLS = ("ours", "ours_det", "cudnn", "pallas_mgpu")
-NAMES = {"ours": "jax_dmattn", "ours_det": "jax_dmattn deterministic", "cudnn": "cuDNN",
+IMPLS = ("ours", "ours_flash2", "ours_det", "cudnn", "pallas_mgpu")
+NAMES = {"ours": "jax_dmattn", "ours_flash2": "jax_dmattn (FA2-class bwd)",
+         "ours_det": "jax_dmattn deterministic", "cudnn": "cuDNN",
          "pallas_mgpu": "Pallas Mosaic GPU (fp16)"}
 BACKWARD_FLOPS = 3.5  # forward + backward, in units of the forward's (DESIGN.md §5)
 
@@ -91,11 +94,18 @@ def dense_row(case: dict) -> dict:
         q, k, v, is_causal=causal, implementation="cudnn"), (0, 1, 2))
     reference = cudnn(*args)
     row = dict(case, cudnn_ms=back_to_back_ms(cudnn, *args))
-    for name, deterministic in (("ours", False), ("ours_det", True)):
-        ours = gradients(lambda q, k, v, det=deterministic: jax_dmattn.flash_dmattn(
-            q, k, v, is_causal=causal, deterministic=det, implementation="cuda"), (0, 1, 2))
-        row[f"{name}_err"] = max_error(ours(*args), reference)
-        row[f"{name}_ms"] = back_to_back_ms(ours, *args)
+    for name, deterministic, kernel in (("ours", False, "auto"), ("ours_flash2", False, "flash2"),
+                                        ("ours_det", True, "auto")):
+        # each compiled afresh: an executable's CUDA graph cannot change kernels between calls
+        _ffi.cuda_set_backward_kernel(kernel)
+        jax.clear_caches()
+        try:
+            ours = gradients(lambda q, k, v, det=deterministic: jax_dmattn.flash_dmattn(
+                q, k, v, is_causal=causal, deterministic=det, implementation="cuda"), (0, 1, 2))
+            row[f"{name}_err"] = max_error(ours(*args), reference)
+            row[f"{name}_ms"] = back_to_back_ms(ours, *args)
+        finally:
+            _ffi.cuda_set_backward_kernel("auto")
     if not causal:  # the Pallas backward takes no causal mask; q comes scaled by 1/sqrt(D)
         q16, k16, v16, c16 = (x.astype(jnp.float16) for x in (q * d**-0.5, k, v, cotangent))
         pallas = pallas_gradients(d, q16, k16, v16, c16)

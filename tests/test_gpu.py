@@ -164,6 +164,33 @@ def test_forward_generations(case, kernel):
         jax.clear_caches()
 
 
+# Calls the warp-specialised Hopper backward takes (no mask, bias or softcap; head dims 64 and
+# 128): causal GQA, lengths with a window and MQA, a short causal one, and rows whose lse / D
+# vectors start off 16-byte boundaries (Lq odd).
+HOPPER_BACKWARD_CASES = [
+    Case(B=2, Lq=1000, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", causal=True),
+    Case(B=2, Lq=1000, Lk=700, H=8, Hk=1, D=128, dtype="float16", front_end="dpa",
+         q_lens=(1000, 333), kv_lens=(700, 129), window=(100, 20)),
+    Case(B=1, Lq=17, Lk=64, H=2, Hk=1, D=64, dtype="float16", causal=True),
+    Case(B=3, Lq=333, Lk=130, H=4, Hk=4, D=64, dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flash2"])
+@pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES, ids=cases_ids(HOPPER_BACKWARD_CASES))
+def test_backward_generations(case, kernel):
+    require_cuda_kernel(case.D, jnp.dtype(case.dtype))
+    _ffi.cuda_set_backward_kernel(kernel)
+    jax.clear_caches()
+    try:
+        check_case(case, IMPL)
+    finally:
+        _ffi.cuda_set_backward_kernel("auto")
+        jax.clear_caches()
+    with pytest.raises(ValueError, match="backward kernel"):
+        _ffi.cuda_set_backward_kernel("hopper")
+
+
 def test_forward_kernel_query():
     hopper = "hopper" if _hopper_forward_built() else "flash2"
     q, k = (8, 4096, 16, 128), (8, 4096, 16, 128)

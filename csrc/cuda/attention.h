@@ -17,6 +17,12 @@ void SetForwardKernel(ForwardKernel kernel);
 // "flash2_split" (FlashAttention-2 class, keys split).
 const char* ForwardKernelName(const AttentionShape& shape);
 
+// The backward kernel: the dispatcher's choice (kAuto: on a Hopper GPU the warp-specialised
+// backward where it takes the call, sm90/bwd_launch.cuh) or the FlashAttention-2-class backward
+// for every call of the process (kFlash2: side-by-side measurements and tests).
+enum class BackwardKernel : int { kAuto = 0, kFlash2 = 1 };
+void SetBackwardKernel(BackwardKernel kernel);
+
 // Head dims with compiled kernels for this build (see CMake option JAX_DMATTN_HEAD_DIMS).
 bool SupportsHeadDim(int64_t head_dim);
 // False for a window table (AttentionShape::head_windows) of more kv heads than the kernels'

@@ -219,6 +219,7 @@ cudaError_t BackwardD(const AttentionShape& shape, const BwdLaunch& l, cudaStrea
 }
 
 std::atomic<int> forward_kernel_setting{static_cast<int>(ForwardKernel::kAuto)};
+std::atomic<int> backward_kernel_setting{static_cast<int>(BackwardKernel::kAuto)};
 
 // The Hopper forward reads bias tiles by TMA (rows of whole 16-byte units) and mask tiles from
 // the mask's bits (rows padded to 16 bytes: any Lk), neither broadcast over keys, at the head
@@ -255,6 +256,12 @@ void SetForwardKernel(ForwardKernel kernel) {
 }
 ForwardKernel ForwardKernelSetting() {
   return static_cast<ForwardKernel>(forward_kernel_setting.load(std::memory_order_relaxed));
+}
+void SetBackwardKernel(BackwardKernel kernel) {
+  backward_kernel_setting.store(static_cast<int>(kernel), std::memory_order_relaxed);
+}
+BackwardKernel BackwardKernelSetting() {
+  return static_cast<BackwardKernel>(backward_kernel_setting.load(std::memory_order_relaxed));
 }
 
 bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {

@@ -55,6 +55,8 @@ bool HopperKernels();
 
 // The forward generation that SetForwardKernel (attention.h) chose for this process.
 ForwardKernel ForwardKernelSetting();
+// The backward generation that SetBackwardKernel chose for this process.
+BackwardKernel BackwardKernelSetting();
 
 // The decode forward (decode_kernel.cuh) takes calls of at most kDecodeMaxQueryRows query rows
 // at these head dims: the H / Hk query heads of a kv head share its tiles, so K and V are read

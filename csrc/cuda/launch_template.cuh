@@ -14,6 +14,7 @@
 #include "cuda/fwd_combine.cuh"
 #include "cuda/fwd_kernel.cuh"
 #include "cuda/launch.h"
+#include "cuda/sm90/bwd_launch.cuh"
 #include "cuda/sm90/fwd_launch.cuh"
 
 namespace dmattn::cuda {
@@ -317,6 +318,35 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   return RunForwardTiles<typename Config::Traits, T>(params, stream);
 }
 
+// The backward's first pass: p.softmax_d = launch.softmax_d = rowsum(dout * out) - dlse.
+template <int D, typename T>
+cudaError_t RunBackwardPreprocess(const BwdLaunch& launch, BwdParams& p, cudaStream_t stream) {
+  const AttentionShape& s = p.s;
+  const int64_t rows = s.batch_count() * s.seqlen_q * s.num_heads;
+  const int threads = 256;
+  const int64_t blocks = (rows * PreprocessLanes(D) + threads - 1) / threads;
+  const unsigned grid = static_cast<unsigned>(blocks);
+  if (launch.out_f32) {
+    bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(p, static_cast<const float*>(launch.out),
+                                                       launch.dlse, launch.softmax_d, rows);
+  } else {
+    bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(p, static_cast<const T*>(launch.out),
+                                                       launch.dlse, launch.softmax_d, rows);
+  }
+  p.softmax_d = launch.softmax_d;
+  return cudaGetLastError();
+}
+
+// dq = scale * the StagedDq accumulator.
+template <int D, typename T>
+cudaError_t ConvertStagedDq(const BwdLaunch& launch, const BwdParams& p, cudaStream_t stream) {
+  const int64_t n8 = p.s.batch_count() * p.s.seqlen_q * p.s.num_heads * D / 8;
+  const int threads = 256;
+  const unsigned grid = static_cast<unsigned>((n8 + threads - 1) / threads);
+  bwd_dq_convert_staged<D, T><<<grid, threads, 0, stream>>>(p, static_cast<T*>(launch.dq), n8);
+  return cudaGetLastError();
+}
+
 template <typename Tr, typename DqTr, typename T>
 cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   constexpr int D = Tr::D;
@@ -327,21 +357,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
   if (q_elems == 0) return cudaSuccess;
 
   // 1. softmax_d = rowsum(dout * out) - dlse
-  {
-    const int64_t rows = B * s.seqlen_q * s.num_heads;
-    const int threads = 256;
-    const int64_t blocks = (rows * PreprocessLanes(D) + threads - 1) / threads;
-    const unsigned grid = static_cast<unsigned>(blocks);
-    if (launch.out_f32) {
-      bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(
-          p, static_cast<const float*>(launch.out), launch.dlse, launch.softmax_d, rows);
-    } else {
-      bwd_preprocess<D, T><<<grid, threads, 0, stream>>>(
-          p, static_cast<const T*>(launch.out), launch.dlse, launch.softmax_d, rows);
-    }
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  p.softmax_d = launch.softmax_d;
+  if (cudaError_t e = RunBackwardPreprocess<D, T>(launch, p, stream); e != cudaSuccess) return e;
 
   // 2. zero what is accumulated into, and a full-size dbias where the main kernel writes nothing
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
@@ -390,16 +406,16 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
 
   // 4. dq
   if (p.compute_dq) {
-    const int64_t n8 = q_elems / 8;
-    const int threads = 256;
-    const unsigned grid = static_cast<unsigned>((n8 + threads - 1) / threads);
     if constexpr (Tr::kDqStaged) {
-      bwd_dq_convert_staged<D, T><<<grid, threads, 0, stream>>>(p, static_cast<T*>(launch.dq), n8);
+      if (cudaError_t e = ConvertStagedDq<D, T>(launch, p, stream); e != cudaSuccess) return e;
     } else {
+      const int64_t n8 = q_elems / 8;
+      const int threads = 256;
+      const unsigned grid = static_cast<unsigned>((n8 + threads - 1) / threads);
       bwd_dq_convert<T><<<grid, threads, 0, stream>>>(p.dq_accum, static_cast<T*>(launch.dq),
                                                       s.scale, n8);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     }
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   } else {
     DqParams dp;
     dp.p = p;
@@ -440,11 +456,40 @@ cudaError_t RunBackwardConfig(const BwdLaunch& launch, cudaStream_t stream) {
   return RunBackwardTiles<Main, typename Cfg::DqTraits, T>(launch, stream);
 }
 
+// The warp-specialised Hopper backward (sm90/bwd_launch.cuh) where it takes the call:
+// cudaErrorNotSupported when a tensor map cannot describe an operand (the caller then runs the
+// FlashAttention-2-class backward).
+template <int D, typename T>
+cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
+  using Tr = sm90::BwdTraitsSm90<D>;
+  BwdParams p = launch.p;
+  const AttentionShape& s = p.s;
+  const int64_t q_elems = s.batch_count() * s.seqlen_q * s.num_heads * D;
+  if (cudaError_t e = RunBackwardPreprocess<D, T>(launch, p, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
+  p.block_order = nullptr;
+  if (cudaError_t e = sm90::RunBackwardKernel<Tr, T>(p, BackwardCtas(launch, Tr::BN), stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  return ConvertStagedDq<D, T>(launch, p, stream);
+}
+
 template <int D, typename T>
 cudaError_t RunBackward(const BwdLaunch& launch, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunBackwardVariant<D, T>(v, launch, stream);
 #endif
+  if constexpr (sm90::HasHopperBackward(D)) {
+    if (HopperKernels() && sm90::Takes(launch)) {
+      const cudaError_t e = RunBackwardSm90<D, T>(launch, stream);
+      if (e != cudaErrorNotSupported) return e;
+    }
+  }
   if (HopperKernels()) return RunBackwardConfig<BwdConfigSm90<D>, T>(launch, stream);
   return RunBackwardConfig<BwdConfig<D>, T>(launch, stream);
 }

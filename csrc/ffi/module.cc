@@ -244,6 +244,17 @@ void CudaSetForwardKernel(const std::string& name) {
     throw std::invalid_argument("forward kernel must be 'auto' or 'flash2', not '" + name + "'");
   }
 }
+
+void CudaSetBackwardKernel(const std::string& name) {
+  using dmattn::cuda::BackwardKernel;
+  if (name == "auto") {
+    dmattn::cuda::SetBackwardKernel(BackwardKernel::kAuto);
+  } else if (name == "flash2") {
+    dmattn::cuda::SetBackwardKernel(BackwardKernel::kFlash2);
+  } else {
+    throw std::invalid_argument("backward kernel must be 'auto' or 'flash2', not '" + name + "'");
+  }
+}
 #endif
 
 }  // namespace
@@ -279,6 +290,9 @@ NB_MODULE(_dmattn, m) {
         "'flash2' or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,
         "'auto' (the dispatcher's choice) or 'flash2' (the FlashAttention-2-class forward "
+        "everywhere), for the whole process: side-by-side measurements and tests.");
+  m.def("cuda_set_backward_kernel", &CudaSetBackwardKernel, "name"_a,
+        "'auto' (the dispatcher's choice) or 'flash2' (the FlashAttention-2-class backward "
         "everywhere), for the whole process: side-by-side measurements and tests.");
 #endif
 }

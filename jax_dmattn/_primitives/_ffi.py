@@ -376,6 +376,15 @@ def cuda_set_forward_kernel(name: str) -> None:
     _extension().cuda_set_forward_kernel(name)
 
 
+def cuda_set_backward_kernel(name: str) -> None:
+    """``"auto"`` (the dispatcher's choice, the default: on a Hopper GPU the warp-specialised
+    backward where it takes the call, i.e. head dims 64 and 128 without a mask, bias, index
+    masks, window table or softcap, not deterministic) or ``"flash2"`` (the
+    FlashAttention-2-class backward for every call), for the whole process, like
+    :func:`cuda_set_forward_kernel` (call ``jax.clear_caches()`` too)."""
+    _extension().cuda_set_backward_kernel(name)
+
+
 def _cuda_backward_workspaces(params: AttentionParams, opts):
     def workspaces(arg_shapes, result_shapes):
         q, k, dk = arg_shapes[0], arg_shapes[1], result_shapes[1]

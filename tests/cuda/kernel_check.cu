@@ -1458,6 +1458,8 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;
     c.Lq = 300; c.Lk = 257; c.D = 128; c.seqlens = true; c.q_lens = {300, 111};
     c.kv_lens = {200, 257}; c.softcap = 20.f; v.push_back(c);
+    // the same without softcap: lengths on the warp-specialised Hopper backward
+    c.name = "quick_q300_k257_d128_seqlens_gqa"; c.H = 4; c.softcap = 0.f; v.push_back(c);
   }
   {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
@@ -1830,6 +1832,17 @@ void Bench(bool variants, const std::string& only) {
       std::printf("%-55s %10.3f %10.1f %10s %10s\n", "  ^ FlashAttention-2-class forward", mf,
                   fl / mf / 1e9, "-", "-");
       std::fflush(stdout);
+      if (!b.c.deterministic) {  // and the FlashAttention-2-class backward
+        float mb = 0;
+        f = RunForwardDevice(P, in, &o, nullptr, 0);
+        dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);
+        RunBackwardDevice(P, in, f, &o, &mb, 10);
+        dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kAuto);
+        FreeFwd(f);
+        std::printf("%-55s %10s %10s %10.3f %10.1f\n", "  ^ FlashAttention-2-class backward",
+                    "-", "-", mb, 2.5 * fl / mb / 1e9);
+        std::fflush(stdout);
+      }
     }
     if (b.c.mask.present && b.c.mask.rows && b.c.mask.cols) {  // the same, plain block order
       float mf = 0, mb = 0;
@@ -1967,6 +1980,15 @@ int main(int argc, char** argv) {
     RunBackwardDevice(P, in, f, &o, nullptr, 0);
     DeviceOut plain;  // the same backward in plain key-block order: both paths must pass
     RunBackwardDevice(P, in, f, &plain, nullptr, 0, false);
+    // On Hopper the FlashAttention-2-class backward too (the dispatcher's choice may be the
+    // warp-specialised one): both generations must pass.
+    const bool flash2_bwd = HopperGpu() && !c.deterministic;
+    DeviceOut flash2;
+    if (flash2_bwd) {
+      dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);
+      RunBackwardDevice(P, in, f, &flash2, nullptr, 0);
+      dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kAuto);
+    }
     bool det_ok = true;
     if (c.deterministic) {
       DeviceOut o2;
@@ -2011,12 +2033,18 @@ int main(int argc, char** argv) {
     }
     FreeFwd(f);
     FreeInputs(in);
-    const Err eq = Worse(Compare16(o.dq, R.dq, P.dt), Compare16(plain.dq, R.dq, P.dt));
-    const Err ek = Worse(Compare16(o.dk, R.dk, P.dt), Compare16(plain.dk, R.dk, P.dt));
-    const Err ev = Worse(Compare16(o.dv, R.dv, P.dt), Compare16(plain.dv, R.dv, P.dt));
+    Err eq = Worse(Compare16(o.dq, R.dq, P.dt), Compare16(plain.dq, R.dq, P.dt));
+    Err ek = Worse(Compare16(o.dk, R.dk, P.dt), Compare16(plain.dk, R.dk, P.dt));
+    Err ev = Worse(Compare16(o.dv, R.dv, P.dt), Compare16(plain.dv, R.dv, P.dt));
     Err eb;
     if (P.s.bias.present) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
+    }
+    if (flash2_bwd) {
+      eq = Worse(eq, Compare16(flash2.dq, R.dq, P.dt));
+      ek = Worse(ek, Compare16(flash2.dk, R.dk, P.dt));
+      ev = Worse(ev, Compare16(flash2.dv, R.dv, P.dt));
+      if (P.s.bias.present) eb = Worse(eb, Compare16(flash2.dbias, R.dbias, P.dt));
     }
     const bool nan = eo.nan || el.nan || eq.nan || ek.nan || ev.nan || eb.nan;
     const bool ok = !nan && zero_ok && det_ok && paged_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&

@@ -75,4 +75,10 @@ cudaError_t EncodeOperandMap(CUtensorMap* map, const void* base, int element_byt
                 swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
+cudaError_t EncodeVectorMap(CUtensorMap* map, const float* base, int64_t elems, int box) {
+  const int64_t bytes = (elems * 4 + 15) / 16 * 16;  // the unit dims' strides (never stepped)
+  return Encode(map, base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, {elems, 1, 1, 1},
+                {bytes, bytes, bytes}, {box, 1, 1, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 }  // namespace dmattn::cuda::sm90

@@ -29,4 +29,8 @@ cudaError_t EncodeOperandMap(CUtensorMap* map, const void* base, int element_byt
                              int64_t rows, int64_t cols, int64_t row_bytes, int box_cols,
                              int box_rows, bool swizzle);
 
+// A float32 vector of `elems` elements (lse, D of the backward: [batch, heads, rows] read as one
+// flat vector) in boxes of `box` elements; elements past its end load as zeros.
+cudaError_t EncodeVectorMap(CUtensorMap* map, const float* base, int64_t elems, int box);
+
 }  // namespace dmattn::cuda::sm90

@@ -1,0 +1,230 @@
+// Consumer main loop of the Hopper backward: one warpgroup, 64 keys of the CTA's block, per
+// query block (64 rows, ring slot `slot`):
+//
+//   S^T  = K Q^T,  dP^T = V dO^T       wgmma, both operands in shared memory (two groups)
+//   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window hide a pair
+//   dS^T = P^T (dP^T - D)              -> dS tile [key][query] in shared memory
+//   dV  += P^T dO,  dK += dS^T Q       wgmma, P / dS from registers
+//   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
+//                    warpgroups' dS are stored) -> the dQ stage, reduced by the dQ warp
+//
+// Q and dO leave the ring as soon as the GEMMs reading them are done. The accumulator layout is
+// that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
+// 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
+#pragma once
+
+#include "cuda/sm90/bwd_producer.cuh"
+#include "cuda/sm90/fwd_scores.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+// The shared-memory descriptors of a consumer warpgroup's GEMMs, ring slot 0 (a slot adds its
+// byte offset).
+template <typename Tr>
+struct BwdOperands {
+  uint64_t k_rows, v_rows;  // A of S^T, dP^T: the warpgroup's 64 keys, K-major
+  uint64_t q_kmajor, do_kmajor;  // B of S^T, dP^T
+  uint64_t q_mnmajor, do_mnmajor;  // B of dK, dV (queries down the rows)
+  uint64_t ds_mnmajor;  // A of dQ: dS^T [key][query], queries along M
+  uint64_t k_cols;      // B of dQ: the warpgroup's dQ columns of K, keys down the rows
+  __device__ __forceinline__ BwdOperands(uint32_t base, int wg) {
+    const uint32_t rows = static_cast<uint32_t>(wg * Tr::kKeys * 128);
+    k_rows = detail::gmma_desc(base + Tr::kOffK + rows, 0);
+    v_rows = detail::gmma_desc(base + Tr::kOffV + rows, 0);
+    q_kmajor = detail::gmma_desc(base + Tr::kOffQ, 0);
+    do_kmajor = detail::gmma_desc(base + Tr::kOffdO, 0);
+    q_mnmajor = detail::gmma_desc(base + Tr::kOffQ, Tr::BM * 128);
+    do_mnmajor = detail::gmma_desc(base + Tr::kOffdO, Tr::BM * 128);
+    ds_mnmajor = detail::gmma_desc(base + Tr::kOffdS, Tr::BN * 128);
+    k_cols = detail::gmma_desc(
+        base + Tr::kOffK + detail::mnmajor_col(wg * Tr::kDqCols, Tr::BN), Tr::BN * 128);
+  }
+};
+
+// acc = A B^T over the head dim (S^T or dP^T): A the warpgroup's keys, B the block's queries.
+template <typename Tr, typename T>
+__device__ __forceinline__ void issue_scores_t(float (&acc)[Tr::BM / 2], uint64_t a, uint64_t b) {
+  detail::wgmma_async(
+      [&] {
+#pragma unroll
+        for (int ks = 0; ks < Tr::D / 16; ++ks) {
+          detail::wgmma_ss<0, 0>(acc, detail::gmma_advance(a, detail::kmajor_step(ks, Tr::BN)),
+                                 detail::gmma_advance(b, detail::kmajor_step(ks, Tr::BM)), ks > 0,
+                                 T());
+        }
+      },
+      acc);
+}
+
+// acc += X^T Y over the block's queries (dV or dK): X^T from registers, Y (Q or dO) in smem.
+template <typename Tr, typename T>
+__device__ __forceinline__ void issue_key_grad(float (&acc)[Tr::D / 2],
+                                               const uint32_t (&x)[Tr::BM / 16][4], uint64_t y) {
+  detail::wgmma_async(
+      [&] {
+        detail::wgmma_issue_rs<1, Tr::BM / 16>(
+            acc, x, y, [](int ks) { return detail::mnmajor_step(ks); }, T());
+      },
+      acc);
+}
+
+// dq = dS K over the block's keys (this warpgroup's dQ columns).
+template <typename Tr, typename T>
+__device__ __forceinline__ void issue_query_grad(float (&dq)[Tr::kDqCols / 2], uint64_t ds,
+                                                 uint64_t k) {
+  detail::wgmma_async(
+      [&] {
+#pragma unroll
+        for (int ks = 0; ks < Tr::BN / 16; ++ks) {
+          detail::wgmma_ss<1, 1>(dq, detail::gmma_advance(ds, detail::mnmajor_step(ks)),
+                                 detail::gmma_advance(k, detail::mnmajor_step(ks)), ks > 0, T());
+        }
+      },
+      dq);
+}
+
+// P^T = exp(S^T - lse) in place (0 where hidden); lse of the block's rows at `lse`.
+template <typename Tr>
+__device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const float* lse,
+                                                const BwdParams& p, const BwdBlock& blk,
+                                                const detail::Band& band, int key0,
+                                                const ConsumerThread& th) {
+  const detail::SeqLens& L = blk.lens;
+  // Whether any pair of the warpgroup's 64 keys x the block's rows may be hidden (uniform).
+  const int wg_key0 = key0 - 16 * th.warp - th.g;
+  const bool bounds = blk.m0 + Tr::BM > L.q_len || wg_key0 + Tr::kKeys > L.kv_len ||
+                      wg_key0 - (blk.m0 + Tr::BM - 1) < band.dmin ||
+                      wg_key0 + Tr::kKeys - 1 - blk.m0 > band.dmax;
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t) {
+    const float* l = lse + 8 * t + 2 * th.tq;
+    // lse = -inf (no visible key) gives P = 0 without an inf - inf.
+    const float l2[2] = {l[0] == -INFINITY ? INFINITY : l[0] * detail::kLog2e,
+                         l[1] == -INFINITY ? INFINITY : l[1] * detail::kLog2e};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float& x = s[4 * t + e];
+      x = detail::fast_exp2(x * p.softmax_mul - l2[e & 1]);
+      if (bounds) {
+        const int i = blk.m0 + 8 * t + 2 * th.tq + (e & 1), j = key0 + 8 * (e >> 1);
+        const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+        x = in ? x : 0.f;
+      }
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - D) in place of dP^T; D of the block's rows at `dsum`.
+template <typename Tr>
+__device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2], const float (&pt)[Tr::BM / 2],
+                                              const float* dsum, const ConsumerThread& th) {
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t) {
+    const float* d = dsum + 8 * t + 2 * th.tq;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[4 * t + e] = pt[4 * t + e] * (dp[4 * t + e] - d[e & 1]);
+  }
+}
+
+// The warpgroup's dS^T rows into the dS tile [key][query] (keys key_local, + 8).
+template <typename Tr>
+__device__ __forceinline__ void store_score_grads(uint8_t* tile, const uint32_t (&ds)[Tr::BM / 16][4],
+                                                  int key_local, const ConsumerThread& th) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(tile);
+  const SwizzledPairs<Tr::BN> rows[2] = {SwizzledPairs<Tr::BN>(key_local, th.tq),
+                                         SwizzledPairs<Tr::BN>(key_local + 8, th.tq)};
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint32_t*>(out + rows[h](t)) = ds[t / 2][(t % 2) * 2 + h];
+    }
+}
+
+// The warpgroup's dQ columns into the dQ stage (StagedDq's layout, rows 16 warp + g, + 8). The
+// stage's swizzle sees a row's index mod 4 and repeats every 32 columns.
+template <typename Tr>
+__device__ __forceinline__ void store_dq(float* stage, const float (&dq)[Tr::kDqCols / 2],
+                                         const ConsumerThread& th) {
+  const int r = 16 * th.warp + th.g;
+  float* row = stage + r * Tr::D + th.wg * Tr::kDqCols;
+#pragma unroll
+  for (int t = 0; t < Tr::kDqCols / 8; ++t) {
+    const int col = StagedDq::column(r, (t % 4) * 8 + 2 * th.tq) + (t / 4) * 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      *reinterpret_cast<float2*>(row + half * 8 * Tr::D + col) =
+          make_float2(dq[4 * t + 2 * half], dq[4 * t + 2 * half + 1]);
+    }
+  }
+}
+
+// Every query block of the CTA; dK (unscaled) and dV of the warpgroup's keys accumulate in dk, dv.
+template <typename Tr, typename T>
+__device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
+                                        const BwdBarriers<Tr>& bar, const BwdCtaWork& w,
+                                        const ConsumerThread& th, int wg_uniform,
+                                        float (&dk)[Tr::D / 2], float (&dv)[Tr::D / 2]) {
+  const BwdParams& p = P.p;
+  const BwdOperands<Tr> ops(detail::smem_u32(smem), wg_uniform);
+  const float* lse_slots = reinterpret_cast<const float*>(smem + Tr::kOffLse);
+  const float* dsum_slots = reinterpret_cast<const float*>(smem + Tr::kOffDsum);
+  float* dq_stage = reinterpret_cast<float*>(smem + Tr::kOffDq);
+  const int key_local = th.wg * Tr::kKeys + 16 * th.warp + th.g;
+  const int key0 = w.n0 + key_local;
+#pragma unroll
+  for (int i = 0; i < Tr::D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  mbar_wait(bar.kv_full(), 0);
+  RingPos<Tr::kStages> ring;
+  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+    const int slot = ring.slot;
+    const uint32_t q_off = slot * Tr::kQBytes;
+    // the block's first lse / D row in its slot (the box starts on the 16-byte boundary below)
+    const int row_shift = static_cast<int>((p.s.lse_offset(blk.b, blk.h) + blk.m0) & 3);
+    float s[Tr::BM / 2], dp[Tr::BM / 2];
+
+    // ---- GEMM: S^T = K Q^T, dP^T = V dO^T ---------------------------------------------------
+    mbar_wait(bar.q_full(slot), ring.parity);
+    issue_scores_t<Tr, T>(s, ops.k_rows, detail::gmma_advance(ops.q_kmajor, q_off));
+    mbar_wait(bar.do_full(slot), ring.parity);
+    issue_scores_t<Tr, T>(dp, ops.v_rows, detail::gmma_advance(ops.do_kmajor, q_off));
+
+    // ---- P^T, dS^T -------------------------------------------------------------------------
+    detail::wgmma_wait<1>();
+    detail::fence_operands(s);
+    probabilities_t<Tr>(s, lse_slots + slot * Tr::kRowSlot + row_shift, p, blk, w.band, key0, th);
+    detail::wgmma_wait<0>();
+    detail::fence_operands(dp);
+    score_grads_t<Tr>(dp, s, dsum_slots + slot * Tr::kRowSlot + row_shift, th);
+    uint32_t pf[Tr::BM / 16][4], dsf[Tr::BM / 16][4];
+    pack_probabilities<T>(pf, s);
+    pack_probabilities<T>(dsf, dp);
+    store_score_grads<Tr>(smem + Tr::kOffdS + slot * Tr::kDsBytes, dsf, key_local, th);
+
+    // ---- GEMMs: dV += P^T dO; dQ = dS K (both warpgroups' dS stored); dK += dS^T Q ---------
+    issue_key_grad<Tr, T>(dv, pf, detail::gmma_advance(ops.do_mnmajor, q_off));
+    detail::fence_async_shared();
+    named_sync(kBwdDsReadyBarrier, kConsumerThreads);
+    float dq[Tr::kDqCols / 2];
+    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_mnmajor, slot * Tr::kDsBytes),
+                            ops.k_cols);
+    issue_key_grad<Tr, T>(dk, dsf, detail::gmma_advance(ops.q_mnmajor, q_off));
+
+    detail::wgmma_wait<2>();  // dV: dO is free
+    detail::fence_operands(dv);
+    th.release(bar.do_empty(slot));
+    detail::wgmma_wait<1>();  // dQ
+    detail::fence_operands(dq);
+    named_sync(kBwdDqEmptyBarrier, kDqHandoffThreads);
+    store_dq<Tr>(dq_stage, dq, th);
+    detail::fence_async_shared();
+    named_arrive(kBwdDqFullBarrier, kDqHandoffThreads);
+    detail::wgmma_wait<0>();  // dK: Q is free
+    detail::fence_operands(dk);
+    th.release(bar.q_empty(slot));
+    ring.advance();
+  });
+}
+
+}  // namespace dmattn::cuda::sm90

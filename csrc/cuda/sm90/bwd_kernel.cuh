@@ -1,0 +1,57 @@
+// Warp-specialised Hopper backward (FlashAttention-3 style): one CTA per (key block, kv head,
+// dk / dv class), as the FlashAttention-2-class backward's grid.
+//
+//   warpgroup 0       producer (bwd_producer.cuh): warp 0 TMA-loads K, V and then Q, dO, lse
+//                     and D of every query block into a two-slot ring; warp 1 adds each
+//                     block's dQ stage to the fp32 accumulator (one bulk reduction)
+//   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
+//                     dQ, then the epilogue (bwd_epilogue.cuh)
+//
+// Calls with lengths, causality or a window, GQA / MQA and dk / dv classes; no mask, bias,
+// index masks, window tables, softcap, or deterministic mode (sm90/bwd_launch.cuh: Takes).
+#pragma once
+
+#include "cuda/sm90/bwd_epilogue.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Tr, typename T>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParamsSm90 P) {
+#if defined(DMATTN_WGMMA)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const BwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
+  if (threadIdx.x == 0) {
+    mbar_init(bar.kv_full(), 1);
+    for (int slot = 0; slot < Tr::kStages; ++slot) {
+      mbar_init(bar.q_full(slot), 1);
+      mbar_init(bar.q_empty(slot), Tr::kReleaseArrivals);
+      mbar_init(bar.do_full(slot), 1);
+      mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const BwdCtaWork w = bwd_cta_work<Tr>(P.p);
+
+  if (threadIdx.x < 128) {
+    release_registers<Tr::kProducerRegs>();
+    if (threadIdx.x < 32) {
+      produce<Tr>(P, smem, bar, w);
+    } else if (threadIdx.x < 64) {
+      reduce_dq<Tr>(P, smem, w);
+    }
+    return;
+  }
+  claim_registers<Tr::kConsumerRegs>();
+  const ConsumerThread th(threadIdx.x - 128);
+  // The warpgroup index as the compiler sees a warp-uniform value (its descriptors in uniform
+  // registers).
+  const int wg = __shfl_sync(0xffffffffu, th.wg, 0);
+  float dk[Tr::D / 2], dv[Tr::D / 2];
+  consume<Tr, T>(P, smem, bar, w, th, wg, dk, dv);
+  store_key_grads<Tr, T>(P, smem, w, th, dk, dv);
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,87 @@
+// Producer warpgroup of the Hopper backward. Warp 0: K and V of the key block by TMA once, then
+// per query block Q with its lse rows and dO with its D rows by TMA into the next ring slot,
+// each slot once the consumers have released it (lse and D are read as flat vectors: a block's
+// rows start anywhere, its box on the 16-byte boundary below; the consumers mask the rows past
+// its length). Warp 1: each block's dQ
+// stage, once both consumers have written it, added to the fp32 accumulator with one bulk
+// reduction, then handed back.
+#pragma once
+
+#include "cuda/sm90/bwd_scheduler.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Tr>
+__device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
+                                        const BwdBarriers<Tr>& bar, const BwdCtaWork& w) {
+  constexpr int BM = Tr::BM, BN = Tr::BN;
+  const BwdParams& p = P.p;
+  const AttentionShape& s = p.s;
+  const bool leader = (threadIdx.x & 31) == 0;
+  const int64_t b_rep = detail::batch_of(p, w.cta.cls, 0);
+  const int kv_entry = static_cast<int>(s.kv_offset(b_rep, 0) / P.kv_entry_elems);
+  if (leader) {
+    tma_prefetch_descriptor(&P.q_tma);
+    tma_prefetch_descriptor(&P.do_tma);
+    tma_prefetch_descriptor(&P.lse_tma);
+    tma_prefetch_descriptor(&P.dsum_tma);
+    mbar_arrive_expect_tx(bar.kv_full(), 2 * Tr::kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      tma_load(smem + Tr::kOffK + panel * BN * 128, &P.k_tma, bar.kv_full(), panel * 64,
+               w.cta.hk, w.n0, kv_entry);
+      tma_load(smem + Tr::kOffV + panel * BN * 128, &P.v_tma, bar.kv_full(), panel * 64,
+               w.cta.hk, w.n0, kv_entry);
+    }
+  }
+  float* lse_slots = reinterpret_cast<float*>(smem + Tr::kOffLse);
+  float* dsum_slots = reinterpret_cast<float*>(smem + Tr::kOffDsum);
+
+  // A Q or dO tile of the block at `offset` and its rows of a per-row vector (lse or D) at
+  // `rows`, completing `full`.
+  auto load_rows = [&](uint32_t offset, const CUtensorMap* map, float* rows,
+                       const CUtensorMap* row_map, uint64_t* full, const BwdBlock& blk) {
+    if (!leader) return;
+    mbar_arrive_expect_tx(full, Tr::kQBytes + Tr::kRowBox * 4);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      tma_load(smem + offset + panel * BM * 128, map, full, panel * 64, blk.h, blk.m0,
+               static_cast<int>(blk.b));
+    }
+    const int64_t first = s.lse_offset(blk.b, blk.h) + blk.m0;
+    tma_load(rows, row_map, full, static_cast<int>(first & ~int64_t{3}), 0, 0, 0);
+  };
+  RingPos<Tr::kStages> ring;
+  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+    const int slot = ring.slot;
+    mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
+    load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
+              &P.lse_tma, bar.q_full(slot), blk);
+    mbar_wait(bar.do_empty(slot), ring.parity ^ 1);
+    load_rows(Tr::kOffdO + slot * Tr::kQBytes, &P.do_tma, dsum_slots + slot * Tr::kRowSlot,
+              &P.dsum_tma, bar.do_full(slot), blk);
+    ring.advance();
+  });
+}
+
+// The dQ warp: one bulk reduction per query block from the stage the consumers fill.
+template <typename Tr>
+__device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t* smem,
+                                          const BwdCtaWork& w) {
+  const BwdParams& p = P.p;
+  const bool leader = (threadIdx.x & 31) == 0;
+  const float* stage = reinterpret_cast<const float*>(smem + Tr::kOffDq);
+  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+    named_arrive(kBwdDqEmptyBarrier, kDqHandoffThreads);
+    named_sync(kBwdDqFullBarrier, kDqHandoffThreads);
+    if (leader) {
+      float* dst = p.dq_accum + (StagedDq::row(p.s, blk.b, blk.h) + blk.m0) * Tr::D;
+      detail::bulk_reduce_add(dst, stage, min(Tr::BM, blk.lens.q_len - blk.m0) * Tr::D * 4);
+      detail::bulk_commit();
+      detail::bulk_wait_read();
+    }
+    __syncwarp();
+  });
+}
+
+}  // namespace dmattn::cuda::sm90

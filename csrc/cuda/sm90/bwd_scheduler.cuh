@@ -1,0 +1,61 @@
+// The work of one CTA of the Hopper backward: its key block, kv head and dk / dv class (the
+// FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
+// for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
+// query heads), the query blocks whose rows see some key of the block by lengths and position.
+// The producer, the dQ warp and the consumers each walk the same sequence.
+#pragma once
+
+#include "cuda/bwd_kernel.cuh"
+#include "cuda/sm90/bwd_traits.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+struct BwdCtaWork {
+  detail::BwdCta cta;
+  int n0;        // first key of the block
+  int G;         // query heads per kv head
+  int64_t pairs;  // (batch, query head) pairs
+  detail::Band band;
+};
+
+// One query block of the walk.
+struct BwdBlock {
+  int64_t b;
+  int h;
+  int m0;
+  detail::SeqLens lens;
+};
+
+template <typename Tr>
+__device__ __forceinline__ BwdCtaWork bwd_cta_work(const BwdParams& p) {
+  BwdCtaWork w;
+  w.cta = detail::bwd_cta<false>(p, blockIdx.x);
+  w.n0 = w.cta.n_block * Tr::BN;
+  w.G = static_cast<int>(p.s.num_heads / p.s.num_kv_heads);
+  w.pairs = p.kv_members * w.G;
+  w.band = detail::make_band(p.s);
+  return w;
+}
+
+// f(block) for every query block of the CTA, in order.
+template <typename Tr, typename F>
+__device__ __forceinline__ void for_each_query_block(const BwdParams& p, const BwdCtaWork& w,
+                                                     F&& f) {
+  const detail::PositionRule rule{w.band, w.band, 0};
+#pragma unroll 1
+  for (int64_t pi = 0; pi < w.pairs; ++pi) {
+    BwdBlock blk;
+    blk.b = detail::batch_of(p, w.cta.cls, pi / w.G);
+    blk.h = w.cta.hk * w.G + static_cast<int>(pi % w.G);
+    blk.lens = detail::seq_lens(p.s, p.q_lens, p.kv_lens, blk.b);
+    int m_first, m_last;
+    detail::query_blocks_seeing<Tr::BM, Tr::BN, false>(w.n0, blk.lens, rule, &m_first, &m_last);
+#pragma unroll 1
+    for (int m = m_first; m <= m_last; ++m) {
+      blk.m0 = m * Tr::BM;
+      f(blk);
+    }
+  }
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,103 @@
+// Tile shape, thread roles, register split and shared-memory layout of the warp-specialised
+// Hopper backward (sm90/bwd_kernel.cuh), and its parameter block.
+//
+// A CTA owns one block of BN = 128 keys of one kv head (and dk / dv class) and walks the query
+// blocks of BM = 64 rows that see it. Warpgroup 0 is the producer: warp 0 TMA-loads K and V once
+// and Q, dO (with their lse and D rows) of each query block into a two-slot ring; warp 1 adds each
+// block's dQ stage to the fp32 accumulator with one bulk reduction. Warpgroups 1 and 2 are the
+// consumers, 64 keys each: S^T, dP^T, dV and dK of their keys, and dQ of half the head dim over
+// all 128 keys (the two warpgroups exchange dS through shared memory). Every 16-bit tile is
+// stored as 64-column panels of 128-byte rows in the hardware's 128-byte swizzle.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/kernel_params.h"
+#include "cuda/sm90/sync.cuh"
+
+namespace dmattn::cuda::sm90 {
+
+struct BwdParamsSm90 {
+  BwdParams p;
+  int64_t kv_entry_elems;  // elements of k (or v) per distinct batch entry: Lk * Hk * D
+  CUtensorMap q_tma;
+  CUtensorMap do_tma;
+  CUtensorMap k_tma;
+  CUtensorMap v_tma;
+  CUtensorMap lse_tma;   // lse and D as flat vectors (EncodeVectorMap)
+  CUtensorMap dsum_tma;
+};
+
+template <int D_>
+struct BwdTraitsSm90 {
+  static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kStages = 2;  // Q / dO ring slots
+  // As in the forward: 24 + 2 x 240 registers of the launch's 3 x 168.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * 168,
+                "register budgets within the CTA's launch allocation");
+
+  static constexpr int kPanels = D / 64;  // 64-column panels of a Q / K tile
+  static constexpr int kKeys = BN / kConsumers;   // a warpgroup's keys (wgmma M of S^T, dK, dV)
+  static constexpr int kDqCols = D / kConsumers;  // a warpgroup's dQ columns (wgmma N)
+  static_assert(D == 64 || D == 128, "dK + dV of 64 keys take D registers a thread");
+  static_assert(kKeys == 64 && BM == 64, "one wgmma M of keys, one N of queries");
+
+  static constexpr uint32_t kKVBytes = BN * D * 2;
+  static constexpr uint32_t kQBytes = BM * D * 2;
+  static constexpr uint32_t kDsBytes = BN * BM * 2;  // dS^T: [key][query], one 64-column panel
+  static constexpr uint32_t kDqBytes = BM * D * 4;   // fp32, StagedDq's layout
+  static constexpr uint32_t kOffK = 0;
+  static constexpr uint32_t kOffV = kOffK + kKVBytes;
+  static constexpr uint32_t kOffQ = kOffV + kKVBytes;        // kStages slots
+  static constexpr uint32_t kOffdO = kOffQ + kStages * kQBytes;
+  static constexpr uint32_t kOffdS = kOffdO + kStages * kQBytes;  // kStages slots
+  static constexpr uint32_t kOffDq = kOffdS + kStages * kDsBytes;
+  // A block's lse / D rows: TMA boxes of kRowBox floats from the 16-byte boundary at or below
+  // the first row (a box must start on one), in slots of kRowSlot floats.
+  static constexpr int kRowBox = BM + 4, kRowSlot = 96;
+  static constexpr uint32_t kOffLse = kOffDq + kDqBytes;  // kStages slots
+  static constexpr uint32_t kOffDsum = kOffLse + kStages * kRowSlot * 4;
+  static constexpr uint32_t kOffBarriers = kOffDsum + kStages * kRowSlot * 4;
+  // kv_full, then q_full, q_empty, do_full, do_empty per slot
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;
+  static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDsBytes % 1024 == 0,
+                "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
+  static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
+  static_assert(kRowBox <= kRowSlot && kOffLse % 128 == 0 && (kRowSlot * 4) % 128 == 0,
+                "TMA destinations of the rows");
+
+  // Every consumer warp releases a ring slot once its wgmmas have read it.
+  static constexpr int kReleaseArrivals = 4 * kConsumers;
+};
+
+template <typename Tr>
+struct BwdBarriers {
+  uint64_t* base;
+  __device__ __forceinline__ uint64_t* kv_full() const { return base; }
+  __device__ __forceinline__ uint64_t* q_full(int slot) const { return base + 1 + slot; }
+  __device__ __forceinline__ uint64_t* q_empty(int slot) const {
+    return base + 1 + Tr::kStages + slot;
+  }
+  __device__ __forceinline__ uint64_t* do_full(int slot) const {
+    return base + 1 + 2 * Tr::kStages + slot;
+  }
+  __device__ __forceinline__ uint64_t* do_empty(int slot) const {
+    return base + 1 + 3 * Tr::kStages + slot;
+  }
+};
+
+// Named barriers (0 is __syncthreads'): both consumers' dS of a block stored; the dQ stage
+// free / written (the consumers and the dQ warp); the consumers' epilogue.
+constexpr int kBwdDsReadyBarrier = 1;
+constexpr int kBwdDqEmptyBarrier = 2;
+constexpr int kBwdDqFullBarrier = 3;
+constexpr int kBwdEpilogueBarrier = 4;
+constexpr int kConsumerThreads = 256;
+constexpr int kDqHandoffThreads = kConsumerThreads + 32;
+
+}  // namespace dmattn::cuda::sm90
