@@ -7,6 +7,9 @@
 #   ARCH=90a DIMS="64 128" DTYPES="bf16" TUNE=1 tests/cuda/run_gpu.sh
 # TUNE=1 also builds tests/cuda/tune_*.cu (alternative tiles, DMATTN_CUDA_VARIANT) and checks
 # and times them next to the library's tiles (kernel_check --variants).
+# BUILD_ONLY=1 stops after building build/kernel_check (no GPU needed: build it on the development
+# machine, where it costs no device time, and send it with the device tool's `carry`);
+# PREBUILT=1 skips the build and runs that binary (built with the same DIMS / DTYPES / TUNE).
 set -u
 LOG=${LOG:-build/gpu_logs}
 ARCH=${ARCH:-90a}
@@ -45,6 +48,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --
 
 t0=$(date +%s)
 el() { echo $(( $(date +%s) - t0 )); }
+if [ "${PREBUILT:-0}" = 1 ]; then
+  [ -x build/kernel_check ] || { echo "PREBUILT=1 but no build/kernel_check"; exit 1; }
+  echo "prebuilt build/kernel_check" | tee "$LOG/summary.txt"
+else
 # the tuning files are the slowest: start them first
 printf "%s\n" $SRCS | sort -r | xargs -P "$(nproc)" -I{} sh -c \
   'f={}; o=build/obj/$(basename $f).o; /usr/bin/time -f "%e s" nvcc $FLAGS -Xptxas -v -c $f -o $o > $o.log 2>&1 || echo "COMPILE FAILED: $f"'
@@ -56,6 +63,8 @@ echo "build: $(el) s; ptxas wgmma serialisation warnings (C7518, must be 0): $(g
   | tee "$LOG/summary.txt"
 grep -E "Compiling entry|spill|Used" "$LOG/compile.log" | sed 's/ptxas info    ://' > "$LOG/ptxas.txt"
 sync_out
+[ "${BUILD_ONLY:-0}" = 1 ] && exit 0
+fi
 
 # 1. correctness, one process per case (a crash names its case)
 : > "$LOG/cases.log"

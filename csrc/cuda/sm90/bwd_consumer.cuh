@@ -116,8 +116,9 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const fl
 
 // dS^T = P^T (dP^T - D) in place of dP^T; D of the block's rows at `dsum`.
 template <typename Tr>
-__device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2], const float (&pt)[Tr::BM / 2],
-                                              const float* dsum, const ConsumerThread& th) {
+__device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2],
+                                              const float (&pt)[Tr::BM / 2], const float* dsum,
+                                              const ConsumerThread& th) {
 #pragma unroll
   for (int t = 0; t < Tr::BM / 8; ++t) {
     const float* d = dsum + 8 * t + 2 * th.tq;
@@ -128,7 +129,8 @@ __device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2], const flo
 
 // The warpgroup's dS^T rows into the dS tile [key][query] (keys key_local, + 8).
 template <typename Tr>
-__device__ __forceinline__ void store_score_grads(uint8_t* tile, const uint32_t (&ds)[Tr::BM / 16][4],
+__device__ __forceinline__ void store_score_grads(uint8_t* tile,
+                                                  const uint32_t (&ds)[Tr::BM / 16][4],
                                                   int key_local, const ConsumerThread& th) {
   uint16_t* out = reinterpret_cast<uint16_t*>(tile);
   const SwizzledPairs<Tr::BN> rows[2] = {SwizzledPairs<Tr::BN>(key_local, th.tq),

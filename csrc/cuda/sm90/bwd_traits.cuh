@@ -54,7 +54,10 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;        // kStages slots
   static constexpr uint32_t kOffdO = kOffQ + kStages * kQBytes;
-  static constexpr uint32_t kOffdS = kOffdO + kStages * kQBytes;  // kStages slots
+  // dS^T has a slot per ring slot: one warpgroup may store the next block's while the other's dQ
+  // GEMM still reads this one's (each waits for its own dQ GEMM before the next block's
+  // barrier, so two slots suffice).
+  static constexpr uint32_t kOffdS = kOffdO + kStages * kQBytes;
   static constexpr uint32_t kOffDq = kOffdS + kStages * kDsBytes;
   // A block's lse / D rows: TMA boxes of kRowBox floats from the 16-byte boundary at or below
   // the first row (a box must start on one), in slots of kRowSlot floats.
