@@ -219,15 +219,18 @@ __device__ __forceinline__ void wgmma_group(Issue issue, float (&... acc)[R]) {
   (fence_operands(acc), ...);
 }
 
-// acc += A B over kSteps k-steps of 16, operands in shared memory: the wgmmas are issued, not
-// waited for (inside wgmma_async or wgmma_group, so several GEMMs can be in flight).
-// a_step(ks) / b_step(ks): the byte offset of k-step ks from the descriptors a / b.
-template <int kTA, int kTB, int kSteps, int R, typename T, typename AStep, typename BStep>
+// acc += A B (kOverwrite: acc = A B, acc's values unread) over kSteps k-steps of 16, operands in
+// shared memory: the wgmmas are issued, not waited for (inside wgmma_async or wgmma_group, so
+// several GEMMs can be in flight). a_step(ks) / b_step(ks): the byte offset of k-step ks from
+// the descriptors a / b.
+template <int kTA, int kTB, int kSteps, bool kOverwrite = false, int R, typename T,
+          typename AStep, typename BStep>
 __device__ __forceinline__ void wgmma_issue(float (&acc)[R], uint64_t a, uint64_t b,
                                             AStep a_step, BStep b_step, T tag) {
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    wgmma_ss<kTA, kTB>(acc, gmma_advance(a, a_step(ks)), gmma_advance(b, b_step(ks)), true, tag);
+    wgmma_ss<kTA, kTB>(acc, gmma_advance(a, a_step(ks)), gmma_advance(b, b_step(ks)),
+                       !kOverwrite || ks > 0, tag);
   }
 }
 

@@ -46,12 +46,9 @@ template <typename Tr, typename T>
 __device__ __forceinline__ void issue_scores_t(float (&acc)[Tr::BM / 2], uint64_t a, uint64_t b) {
   detail::wgmma_async(
       [&] {
-#pragma unroll
-        for (int ks = 0; ks < Tr::D / 16; ++ks) {
-          detail::wgmma_ss<0, 0>(acc, detail::gmma_advance(a, detail::kmajor_step(ks, Tr::BN)),
-                                 detail::gmma_advance(b, detail::kmajor_step(ks, Tr::BM)), ks > 0,
-                                 T());
-        }
+        detail::wgmma_issue<0, 0, Tr::D / 16, true>(
+            acc, a, b, [](int ks) { return detail::kmajor_step(ks, Tr::BN); },
+            [](int ks) { return detail::kmajor_step(ks, Tr::BM); }, T());
       },
       acc);
 }
@@ -72,15 +69,9 @@ __device__ __forceinline__ void issue_key_grad(float (&acc)[Tr::D / 2],
 template <typename Tr, typename T>
 __device__ __forceinline__ void issue_query_grad(float (&dq)[Tr::kDqCols / 2], uint64_t ds,
                                                  uint64_t k) {
+  auto step = [](int ks) { return detail::mnmajor_step(ks); };
   detail::wgmma_async(
-      [&] {
-#pragma unroll
-        for (int ks = 0; ks < Tr::BN / 16; ++ks) {
-          detail::wgmma_ss<1, 1>(dq, detail::gmma_advance(ds, detail::mnmajor_step(ks)),
-                                 detail::gmma_advance(k, detail::mnmajor_step(ks)), ks > 0, T());
-        }
-      },
-      dq);
+      [&] { detail::wgmma_issue<1, 1, Tr::BN / 16, true>(dq, ds, k, step, step, T()); }, dq);
 }
 
 // P^T = exp(S^T - lse) in place (0 where hidden); lse of the block's rows at `lse`.

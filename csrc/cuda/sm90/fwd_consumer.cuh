@@ -35,12 +35,9 @@ __device__ __forceinline__ void issue_scores(float (&s)[Tr::BN / 2], uint32_t sq
   const uint64_t dk = detail::gmma_desc(sk, 0);
   detail::wgmma_async(
       [&] {
-#pragma unroll
-        for (int ks = 0; ks < Tr::D / 16; ++ks) {
-          detail::wgmma_ss<0, 0>(s, detail::gmma_advance(dq, detail::kmajor_step(ks, Tr::BM)),
-                                 detail::gmma_advance(dk, detail::kmajor_step(ks, Tr::BN)), ks > 0,
-                                 T());
-        }
+        detail::wgmma_issue<0, 0, Tr::D / 16, true>(
+            s, dq, dk, [](int ks) { return detail::kmajor_step(ks, Tr::BM); },
+            [](int ks) { return detail::kmajor_step(ks, Tr::BN); }, T());
       },
       s);
 }
