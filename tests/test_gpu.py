@@ -18,6 +18,7 @@ from conftest import (
     cases_ids,
     check_case,
     make_inputs,
+    reference,
     reference_jit,
     round_to,
     run_case,
@@ -189,6 +190,37 @@ def test_backward_generations(case, kernel):
         jax.clear_caches()
     with pytest.raises(ValueError, match="backward kernel"):
         _ffi.cuda_set_backward_kernel("hopper")
+
+
+# Deterministic calls the warp-specialised backward takes: causal GQA, and MQA with Lq odd.
+DETERMINISTIC_CASES = [
+    HOPPER_BACKWARD_CASES[0],
+    Case(B=2, Lq=777, Lk=900, H=4, Hk=1, D=64, dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flash2"])
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=cases_ids(DETERMINISTIC_CASES))
+def test_backward_generations_deterministic(case, kernel):
+    """deterministic=True: ten backward passes give the same bits (the warp-specialised kernel
+    adds the key blocks' dQ in turns, the FlashAttention-2-class one runs a dq kernel), within
+    the float64 reference's tolerance."""
+    require_cuda_kernel(case.D, jnp.dtype(case.dtype))
+    _ffi.cuda_set_backward_kernel(kernel)
+    jax.clear_caches()
+    try:
+        inputs = make_inputs(case)
+        ref = reference(case, inputs)
+        lse_finite = np.isfinite(ref["lse"])
+        runs = [run_case(case, inputs, IMPL, case.dtype, lse_finite, deterministic=True)
+                for _ in range(10)]
+    finally:
+        _ffi.cuda_set_backward_kernel("auto")
+        jax.clear_caches()
+    for name in ("dq", "dk", "dv"):
+        assert_close(name, runs[0][name], ref[name], tolerance(case.dtype, name))
+        for run in runs[1:]:
+            assert run[name].tobytes() == runs[0][name].tobytes(), name
 
 
 def test_forward_kernel_query():

@@ -53,12 +53,13 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
 
 // Launches the backward on `stream`; args.mask_map and mask_bits as in Forward, args.workspace[0] is an fp32
 // dq accumulator shaped like q, args.workspace[1] BackwardWorkspaceBytes(shape) bytes for the
-// order of the key blocks and an fp32 dbias accumulator.
+// order of the key blocks, an fp32 dbias accumulator and the deterministic dQ turn flags.
 cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream);
 
 // Bytes the backward needs in args.workspace[1]: the key-block order, then (when some dbias
 // element receives contributions from more than one CTA, see DbiasNeedsWorkspace in launch.cu)
-// an fp32 dbias accumulator.
+// an fp32 dbias accumulator, then (deterministic calls) the dQ turn flags of the Hopper
+// backward.
 int64_t BackwardWorkspaceBytes(const AttentionShape& shape);
 
 // Key splits the forward runs in parallel for this shape on the current device (1: none; more

@@ -155,6 +155,9 @@ enum DbiasMode : int {
   kDbiasAtomic = 2,  // fp32 atomics into a workspace of bias.num_elements, then a convert pass
 };
 
+// Query rows per dQ turn flag of the deterministic Hopper backward (its query block).
+constexpr int kDqTurnRows = 64;
+
 struct BwdParams {
   AttentionShape s;
   const void* q;
@@ -172,6 +175,10 @@ struct BwdParams {
   const int32_t* kv_segments;
   SegmentSpanLayout segment_spans;
   float* dq_accum;  // [*batch, Lq, H, D] fp32 (zeroed by the launcher)
+  // The deterministic Hopper backward's dQ turn flags, [*batch, H, ceil(Lq / kDqTurnRows)]: 1 +
+  // the key block that last added to the rows' dq_accum, 0 before any (zeroed by the launcher).
+  // Null for every other call.
+  int32_t* dq_turns;
   void* dk;
   void* dv;
   void* dbias;        // dbias in the bias dtype (direct mode)

@@ -401,7 +401,8 @@ bool SupportsHeadDim(int64_t head_dim) {
 }
 
 int64_t BackwardWorkspaceBytes(const AttentionShape& shape) {
-  return IndexMaskBytes(shape) + BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape);
+  return IndexMaskBytes(shape) + BlockOrderBytes(KeyBlocks(shape)) + DbiasWorkspaceBytes(shape) +
+         DqTurnBytes(shape);
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
@@ -546,8 +547,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.kv_members = mem.members;
   p.kv_classes = mem.classes;
 
-  // Workspace 1 ([index masks' summaries][key-block order][dbias accumulator]) was sized at
-  // trace time by the same rules; no order if it came out smaller.
+  // Workspace 1 ([index masks' summaries][key-block order][dbias accumulator][dQ turn flags])
+  // was sized at trace time by the same rules; no order if it came out smaller.
   auto* workspace = static_cast<uint8_t*>(args.workspace[1]);
   int64_t workspace_bytes = workspace != nullptr ? args.workspace_bytes[1] : 0;
   if (cudaError_t e = TakeIndexMasks(shape, args, &workspace, &workspace_bytes, &p, stream);
@@ -556,8 +557,13 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   }
   const bool has_dbias = p.bias != nullptr && args.dbias != nullptr;
   const int64_t dbias_bytes = has_dbias ? DbiasWorkspaceBytes(shape) : 0;
-  TakeBlockOrder(KeyBlocks(shape), dbias_bytes, &workspace, &workspace_bytes, &p.block_order,
-                 &p.block_weight);
+  const int64_t turn_bytes = DqTurnBytes(shape);
+  TakeBlockOrder(KeyBlocks(shape), dbias_bytes + turn_bytes, &workspace, &workspace_bytes,
+                 &p.block_order, &p.block_weight);
+  p.dq_turns = nullptr;
+  if (turn_bytes > 0 && workspace != nullptr && workspace_bytes >= dbias_bytes + turn_bytes) {
+    p.dq_turns = reinterpret_cast<int32_t*>(workspace + dbias_bytes);
+  }
 
   p.dbias_mode = kDbiasNone;
   if (has_dbias) {

@@ -49,6 +49,14 @@ inline int64_t ForwardSlots() { return 2 * static_cast<int64_t>(MultiProcessors(
 // The narrowest key block of any backward tile: it sizes the key-block order's workspace.
 constexpr int kSmallestBackwardKeyBlock = 64;
 
+// The dQ turn flags of a deterministic call (BwdParams::dq_turns): an int32 per batch entry,
+// query head and kDqTurnRows query rows, a 1/(kDqTurnRows * head_dim) of the dQ accumulator.
+inline int64_t DqTurnBytes(const AttentionShape& s) {
+  if (!s.deterministic) return 0;
+  const int64_t row_blocks = (s.seqlen_q + kDqTurnRows - 1) / kDqTurnRows;
+  return s.batch_count() * s.num_heads * row_blocks * static_cast<int64_t>(sizeof(int32_t));
+}
+
 // True when the current device is a Hopper GPU and this build holds sm_90a kernels (wgmma):
 // the backward then runs its warpgroup-shaped tiles.
 bool HopperKernels();

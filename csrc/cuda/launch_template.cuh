@@ -470,6 +470,11 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
+  if (p.dq_turns != nullptr) {
+    if (cudaError_t e = cudaMemsetAsync(p.dq_turns, 0, DqTurnBytes(s), stream); e != cudaSuccess) {
+      return e;
+    }
+  }
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
   p.block_order = nullptr;
   if (cudaError_t e = sm90::RunBackwardKernel<Tr, T>(p, BackwardCtas(launch, Tr::BN), stream);

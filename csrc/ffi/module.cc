@@ -160,19 +160,20 @@ dmattn::AttentionAttrs ShapeOnlyAttrs() {
 }
 
 // Bytes of the CUDA backward's workspace 1 (the index masks' summaries, the key-block order, a
-// dbias accumulator when one is needed) for a call with these shapes; `bias` and `dbias` empty
-// for a call without a bias.
+// dbias accumulator when one is needed, the dQ turn flags of a deterministic call) for a call
+// with these shapes; `bias` and `dbias` empty for a call without a bias.
 int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
                                    std::vector<int64_t> dk, std::vector<int64_t> bias,
                                    std::vector<int64_t> dbias, OptionalDims q_segments,
                                    OptionalDims kv_segments, OptionalDims key_ranges,
                                    OptionalDims row_ranges, OptionalDims block_indices,
-                                   int64_t block_q, int64_t block_k) {
+                                   int64_t block_q, int64_t block_k, bool deterministic) {
   const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
                                   block_indices, block_q, block_k};
   ShapeOnlyBuffers b;
   dmattn::AttentionAttrs attrs = ShapeOnlyAttrs();
   attrs.has_bias = !bias.empty();
+  attrs.deterministic = deterministic;
   const auto qb = b.Add(q, XLA_FFI_DataType_BF16), kb = b.Add(k, XLA_FFI_DataType_BF16),
              lseb = b.AddLse(q), dkb = b.Add(dk, XLA_FFI_DataType_BF16);
   dmattn::Buffers args = {qb, kb, kb, qb, qb, lseb, lseb};
@@ -271,9 +272,9 @@ NB_MODULE(_dmattn, m) {
         "bias"_a, "dbias"_a, "q_segments"_a.none() = nb::none(),
         "kv_segments"_a.none() = nb::none(), "key_ranges"_a.none() = nb::none(),
         "row_ranges"_a.none() = nb::none(), "block_indices"_a.none() = nb::none(),
-        "block_q"_a = 0, "block_k"_a = 0,
+        "block_q"_a = 0, "block_k"_a = 0, "deterministic"_a = false,
         "Bytes of the CUDA backward's workspace 1 (index-mask summaries, key-block order, dbias "
-        "accumulator).");
+        "accumulator, deterministic dQ turn flags).");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,

@@ -379,7 +379,7 @@ def cuda_set_forward_kernel(name: str) -> None:
 def cuda_set_backward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default: on a Hopper GPU the warp-specialised
     backward where it takes the call, i.e. head dims 64 and 128 without a mask, bias, index
-    masks, window table or softcap, not deterministic) or ``"flash2"`` (the
+    masks, window table or softcap) or ``"flash2"`` (the
     FlashAttention-2-class backward for every call), for the whole process, like
     :func:`cuda_set_forward_kernel` (call ``jax.clear_caches()`` too)."""
     _extension().cuda_set_backward_kernel(name)
@@ -393,7 +393,8 @@ def _cuda_backward_workspaces(params: AttentionParams, opts):
             bias = arg_shapes[7 + int(opts.has_mask)]
             dbias = result_shapes[3]
         n = _extension().cuda_backward_workspace_bytes(
-            q, k, dk, bias, dbias, **_index_mask_shapes(params, opts, arg_shapes[7:]))
+            q, k, dk, bias, dbias, **_index_mask_shapes(params, opts, arg_shapes[7:]),
+            deterministic=params.deterministic)
         return [((max(n, 1),), np.uint8)]
 
     return workspaces

@@ -1027,6 +1027,17 @@ std::vector<Case> AllCases() {
     c.bias = Op({2}, 2, false, true); c.deterministic = true; add(c);
   }
   {
+    // the warp-specialised Hopper backward's dQ turns: a window with GQA and lengths (query
+    // blocks that only some key blocks see), and MQA, causal, Lq > Lk
+    Case c; c.name = "deterministic_q1000_k1030_d64_window_gqa"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 1000; c.Lk = 1030; c.D = 64; c.window_left = 300; c.window_right = 40;
+    c.seqlens = true; c.q_lens = {1000, 417}; c.kv_lens = {1030, 600}; c.deterministic = true;
+    add(c);
+    c = Case(); c.name = "deterministic_q900_k700_d128_causal_mqa"; c.batch = {2}; c.H = 4;
+    c.Hk = 1; c.Lq = 900; c.Lk = 700; c.D = 128; c.causal = true; c.deterministic = true;
+    add(c);
+  }
+  {
     // mask rows on 16 bytes, a partial last cell and a partial group of cells (mask pass)
     Case c; c.name = "causal_mask_only_d128_q200_k336"; c.H = 2; c.Hk = 2; c.Lq = 200;
     c.Lk = 336; c.D = 128; c.causal = true; c.mask = Op({1}, 2, true, true); c.mask_holes = true;
@@ -1429,6 +1440,8 @@ std::vector<Case> QuickCases() {
     // last key blocks, or none of a narrow window's first ones, pass them with the rings
     Case c; c.name = "quick_q400_d64_causal"; c.H = 2; c.Hk = 1; c.Lq = 400; c.Lk = 400;
     c.D = 64; c.causal = true; v.push_back(c);
+    c.name = "quick_q400_d64_causal_det"; c.deterministic = true; v.push_back(c);
+    c.deterministic = false;
     c.name = "quick_q700_d64_window_mask_bias"; c.Lq = 700; c.Lk = 700; c.causal = false;
     c.window_left = 90; c.window_right = 10; c.mask = Op({1}, 2, true, true);
     c.bias = Op({1}, 2, true, true); v.push_back(c);
@@ -1460,6 +1473,7 @@ std::vector<Case> QuickCases() {
     c.kv_lens = {200, 257}; c.softcap = 20.f; v.push_back(c);
     // the same without softcap: lengths on the warp-specialised Hopper backward
     c.name = "quick_q300_k257_d128_seqlens_gqa"; c.H = 4; c.softcap = 0.f; v.push_back(c);
+    c.name = "quick_q300_k257_d128_seqlens_gqa_det"; c.deterministic = true; v.push_back(c);
   }
   {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
@@ -1729,7 +1743,7 @@ void Bench(bool variants, const std::string& only) {
   {
     Case c = mk("b1d", 4, 16, 16, 4096, 128, false, false, false);
     c.deterministic = true;
-    benches.push_back({"dense d128 L4k B4 H16 (deterministic dq kernel)", c, 0});
+    benches.push_back({"dense d128 L4k B4 H16 (deterministic)", c, 0});
   }
   benches.push_back({"dense d128 L4k B4 H16 causal", mk("b2", 4, 16, 16, 4096, 128, true, false, false), 0});
   benches.push_back({"dense d128 L16k B1 H16", mk("b1l", 1, 16, 16, 16384, 128, false, false, false), 0});
@@ -1748,7 +1762,7 @@ void Bench(bool variants, const std::string& only) {
   {
     Case c = mk("b3d", 4, 32, 32, 4096, 64, false, false, false);
     c.deterministic = true;
-    benches.push_back({"dense d64 L4k B4 H32 (deterministic dq kernel)", c, 0});
+    benches.push_back({"dense d64 L4k B4 H32 (deterministic)", c, 0});
   }
   benches.push_back({"dense d64 L4k B4 H32 causal", mk("b3c", 4, 32, 32, 4096, 64, true, false, false), 0});
   // a grid of 128 CTAs on the 128-key tile: the backward takes the 64-key tile (UseNarrow)
@@ -1832,17 +1846,15 @@ void Bench(bool variants, const std::string& only) {
       std::printf("%-55s %10.3f %10.1f %10s %10s\n", "  ^ FlashAttention-2-class forward", mf,
                   fl / mf / 1e9, "-", "-");
       std::fflush(stdout);
-      if (!b.c.deterministic) {  // and the FlashAttention-2-class backward
-        float mb = 0;
-        f = RunForwardDevice(P, in, &o, nullptr, 0);
-        dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);
-        RunBackwardDevice(P, in, f, &o, &mb, 10);
-        dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kAuto);
-        FreeFwd(f);
-        std::printf("%-55s %10s %10s %10.3f %10.1f\n", "  ^ FlashAttention-2-class backward",
-                    "-", "-", mb, 2.5 * fl / mb / 1e9);
-        std::fflush(stdout);
-      }
+      float mb = 0;  // and the FlashAttention-2-class backward
+      f = RunForwardDevice(P, in, &o, nullptr, 0);
+      dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);
+      RunBackwardDevice(P, in, f, &o, &mb, 10);
+      dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kAuto);
+      FreeFwd(f);
+      std::printf("%-55s %10s %10s %10.3f %10.1f\n", "  ^ FlashAttention-2-class backward", "-",
+                  "-", mb, 2.5 * fl / mb / 1e9);
+      std::fflush(stdout);
     }
     if (b.c.mask.present && b.c.mask.rows && b.c.mask.cols) {  // the same, plain block order
       float mf = 0, mb = 0;
@@ -1982,7 +1994,7 @@ int main(int argc, char** argv) {
     RunBackwardDevice(P, in, f, &plain, nullptr, 0, false);
     // On Hopper the FlashAttention-2-class backward too (the dispatcher's choice may be the
     // warp-specialised one): both generations must pass.
-    const bool flash2_bwd = HopperGpu() && !c.deterministic;
+    const bool flash2_bwd = HopperGpu();
     DeviceOut flash2;
     if (flash2_bwd) {
       dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);

@@ -93,16 +93,18 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const fl
     const float l2[2] = {l[0] == -INFINITY ? INFINITY : l[0] * detail::kLog2e,
                          l[1] == -INFINITY ? INFINITY : l[1] * detail::kLog2e};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float& x = s[4 * t + e];
-      x = detail::fast_exp2(x * p.softmax_mul - l2[e & 1]);
-      if (bounds) {
-        const int i = blk.m0 + 8 * t + 2 * th.tq + (e & 1), j = key0 + 8 * (e >> 1);
-        const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
-        x = in ? x : 0.f;
-      }
-    }
+    for (int e = 0; e < 4; ++e) s[4 * t + e] = detail::fast_exp2(s[4 * t + e] * p.softmax_mul - l2[e & 1]);
   }
+  // A loop of its own: inside the exp loop the test stays predicated on every block.
+  if (!bounds) return;
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = blk.m0 + 8 * t + 2 * th.tq + (e & 1), j = key0 + 8 * (e >> 1);
+      const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
+      s[4 * t + e] = in ? s[4 * t + e] : 0.f;
+    }
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T; D of the block's rows at `dsum`.

@@ -7,8 +7,8 @@
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
-// Calls with lengths, causality or a window, GQA / MQA and dk / dv classes; no mask, bias,
-// index masks, window tables, softcap, or deterministic mode (sm90/bwd_launch.cuh: Takes).
+// Calls with lengths, causality or a window, GQA / MQA and dk / dv classes, deterministic or
+// not; no mask, bias, index masks, window tables or softcap (sm90/bwd_launch.cuh: Takes).
 #pragma once
 
 #include "cuda/sm90/bwd_epilogue.cuh"

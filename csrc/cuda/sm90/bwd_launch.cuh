@@ -19,8 +19,8 @@ constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
 // True when the kernel takes the call: dense attention with lengths, causality or a window,
 // GQA / MQA (no mask, bias, index masks, window table or softcap), dQ through the accumulator
-// (not the deterministic dq kernel), operands TMA can address. The FlashAttention-2-class
-// backward runs the rest.
+// (deterministic calls: in turns, with the flags of the workspace), operands TMA can address.
+// The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
   const BwdParams& p = l.p;
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
@@ -28,7 +28,8 @@ inline bool Takes(const BwdLaunch& l) {
   const BackwardKernel setting = BackwardKernelSetting();
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && p.mask == nullptr &&
          p.bias == nullptr && p.dbias_mode == kDbiasNone && IndexKindOf(p) == kNoIndex &&
-         p.windows.heads == 0 && p.softcap == 0.f && p.compute_dq && p.s.seqlen_q > 0 &&
+         p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
+         (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&
          aligned(p.v) && aligned(p.dout);
 }

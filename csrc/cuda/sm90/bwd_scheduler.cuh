@@ -2,7 +2,8 @@
 // FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
 // for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
 // query heads), the query blocks whose rows see some key of the block by lengths and position.
-// The producer, the dQ warp and the consumers each walk the same sequence.
+// The producer, the dQ warp and the consumers each walk the same sequence. Deterministic calls
+// fix the order in which the key blocks add to a query block's dQ: from the last key block down.
 #pragma once
 
 #include "cuda/bwd_kernel.cuh"
@@ -30,6 +31,9 @@ template <typename Tr>
 __device__ __forceinline__ BwdCtaWork bwd_cta_work(const BwdParams& p) {
   BwdCtaWork w;
   w.cta = detail::bwd_cta<false>(p, blockIdx.x);
+  // Deterministic: the key blocks add to a query block's dQ from the last one down, and a CTA may
+  // wait only for CTAs launched before it, so the CTAs take the key blocks in that order.
+  if (p.dq_turns != nullptr) w.cta.n_block = p.n_blocks - 1 - w.cta.n_block;
   w.n0 = w.cta.n_block * Tr::BN;
   w.G = static_cast<int>(p.s.num_heads / p.s.num_kv_heads);
   w.pairs = p.kv_members * w.G;
@@ -37,11 +41,20 @@ __device__ __forceinline__ BwdCtaWork bwd_cta_work(const BwdParams& p) {
   return w;
 }
 
+// Query blocks [*m_first, *m_last] (empty: last < first) whose rows (lengths L) see some key of
+// the key block at n0.
+template <typename Tr>
+__device__ __forceinline__ void query_blocks_of(const BwdCtaWork& w, int n0,
+                                                const detail::SeqLens& L, int* m_first,
+                                                int* m_last) {
+  const detail::PositionRule rule{w.band, w.band, 0};
+  detail::query_blocks_seeing<Tr::BM, Tr::BN, false>(n0, L, rule, m_first, m_last);
+}
+
 // f(block) for every query block of the CTA, in order.
 template <typename Tr, typename F>
 __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const BwdCtaWork& w,
                                                      F&& f) {
-  const detail::PositionRule rule{w.band, w.band, 0};
 #pragma unroll 1
   for (int64_t pi = 0; pi < w.pairs; ++pi) {
     BwdBlock blk;
@@ -49,13 +62,28 @@ __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const B
     blk.h = w.cta.hk * w.G + static_cast<int>(pi % w.G);
     blk.lens = detail::seq_lens(p.s, p.q_lens, p.kv_lens, blk.b);
     int m_first, m_last;
-    detail::query_blocks_seeing<Tr::BM, Tr::BN, false>(w.n0, blk.lens, rule, &m_first, &m_last);
+    query_blocks_of<Tr>(w, w.n0, blk.lens, &m_first, &m_last);
 #pragma unroll 1
     for (int m = m_first; m <= m_last; ++m) {
       blk.m0 = m * Tr::BM;
       f(blk);
     }
   }
+}
+
+// Deterministic dQ: the block's turn flag (BwdParams::dq_turns), and whether the next key block
+// adds to the block's dQ too (then it goes first: the flag holds its index + 1 once it has).
+template <typename Tr>
+__device__ __forceinline__ int32_t* dq_turn_flag(const BwdParams& p, const BwdBlock& blk) {
+  const int64_t row_blocks = (p.s.seqlen_q + Tr::BM - 1) / Tr::BM;
+  return p.dq_turns + (blk.b * p.s.num_heads + blk.h) * row_blocks + blk.m0 / Tr::BM;
+}
+template <typename Tr>
+__device__ __forceinline__ bool next_key_block_sees(const BwdCtaWork& w, const BwdBlock& blk) {
+  int m_first, m_last;
+  query_blocks_of<Tr>(w, w.n0 + Tr::BN, blk.lens, &m_first, &m_last);
+  const int m = blk.m0 / Tr::BM;
+  return m_first <= m && m <= m_last;
 }
 
 }  // namespace dmattn::cuda::sm90

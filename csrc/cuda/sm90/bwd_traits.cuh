@@ -45,6 +45,7 @@ struct BwdTraitsSm90 {
   static constexpr int kDqCols = D / kConsumers;  // a warpgroup's dQ columns (wgmma N)
   static_assert(D == 64 || D == 128, "dK + dV of 64 keys take D registers a thread");
   static_assert(kKeys == 64 && BM == 64, "one wgmma M of keys, one N of queries");
+  static_assert(BM == kDqTurnRows, "a dQ turn flag per query block");
 
   static constexpr uint32_t kKVBytes = BN * D * 2;
   static constexpr uint32_t kQBytes = BM * D * 2;

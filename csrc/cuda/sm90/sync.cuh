@@ -1,7 +1,7 @@
 // sm_90a synchronisation and copy primitives of the warp-specialised kernels: mbarriers (the
 // producer / consumer ring), the tensor memory accelerator (TMA: whole tiles between global and
-// shared memory, completing on an mbarrier), named barriers among warpgroups and register
-// reallocation between them (setmaxnreg).
+// shared memory, completing on an mbarrier), named barriers among warpgroups, turns between CTAs
+// (flags in global memory) and register reallocation between warpgroups (setmaxnreg).
 //
 // An mbarrier here counts a phase: it completes when its expected arrivals have arrived and the
 // bytes announced with arrive_expect_tx have landed; waiters name the parity of the phase they
@@ -96,6 +96,24 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Turns between CTAs through a flag in global memory, taken by one thread each. wait_turn returns
+// once the flag holds `value`; the caller's bulk operations after it see the memory the passing
+// CTA's bulk operations wrote before it. pass_turn waits for the caller's bulk operations to
+// complete (not only to have read their source) and then sets the flag.
+__device__ __forceinline__ void wait_turn(const int32_t* flag, int32_t value) {
+  DMATTN_SM90A_ONLY(int32_t seen; do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+  } while (seen != value);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");)
+}
+__device__ __forceinline__ void pass_turn(int32_t* flag, int32_t value) {
+  DMATTN_SM90A_ONLY(asm volatile(
+      "cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\n"
+      "st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag),
+      "r"(value)
+      : "memory");)
 }
 
 // Register reallocation: the warpgroup gives registers back (dec) or takes them (inc); every
