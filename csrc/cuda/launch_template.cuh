@@ -462,6 +462,7 @@ cudaError_t RunBackwardConfig(const BwdLaunch& launch, cudaStream_t stream) {
 template <int D, typename T>
 cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   using Tr = sm90::BwdTraitsSm90<D>;
+  using Deterministic = sm90::BwdTraitsSm90<D, 2>;
   BwdParams p = launch.p;
   const AttentionShape& s = p.s;
   const int64_t q_elems = s.batch_count() * s.seqlen_q * s.num_heads * D;
@@ -477,7 +478,10 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   }
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
   p.block_order = nullptr;
-  if (cudaError_t e = sm90::RunBackwardKernel<Tr, T>(p, BackwardCtas(launch, Tr::BN), stream);
+  const int64_t ctas = BackwardCtas(launch, Tr::BN);
+  if (cudaError_t e = p.dq_turns != nullptr
+                          ? sm90::RunBackwardKernel<Deterministic, T>(p, ctas, stream)
+                          : sm90::RunBackwardKernel<Tr, T>(p, ctas, stream);
       e != cudaSuccess) {
     return e;
   }

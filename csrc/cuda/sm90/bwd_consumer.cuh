@@ -6,7 +6,7 @@
 //   dS^T = P^T (dP^T - D)              -> dS tile [key][query] in shared memory
 //   dV  += P^T dO,  dK += dS^T Q       wgmma, P / dS from registers
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
-//                    warpgroups' dS are stored) -> the dQ stage, reduced by the dQ warp
+//                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
 // Q and dO leave the ring as soon as the GEMMs reading them are done. The accumulator layout is
 // that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
@@ -164,7 +164,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
   const BwdOperands<Tr> ops(detail::smem_u32(smem), wg_uniform);
   const float* lse_slots = reinterpret_cast<const float*>(smem + Tr::kOffLse);
   const float* dsum_slots = reinterpret_cast<const float*>(smem + Tr::kOffDsum);
-  float* dq_stage = reinterpret_cast<float*>(smem + Tr::kOffDq);
+  float* dq_stages = reinterpret_cast<float*>(smem + Tr::kOffDq);
   const int key_local = th.wg * Tr::kKeys + 16 * th.warp + th.g;
   const int key0 = w.n0 + key_local;
 #pragma unroll
@@ -172,6 +172,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
 
   mbar_wait(bar.kv_full(), 0);
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kDqStages> dq_ring;
   for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
     const int slot = ring.slot;
     const uint32_t q_off = slot * Tr::kQBytes;
@@ -211,10 +212,11 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     th.release(bar.do_empty(slot));
     detail::wgmma_wait<1>();  // dQ
     detail::fence_operands(dq);
-    named_sync(kBwdDqEmptyBarrier, kDqHandoffThreads);
-    store_dq<Tr>(dq_stage, dq, th);
+    named_sync(kBwdDqEmptyBarrier + dq_ring.slot, kDqHandoffThreads);
+    store_dq<Tr>(dq_stages + dq_ring.slot * Tr::kDqBytes / 4, dq, th);
     detail::fence_async_shared();
-    named_arrive(kBwdDqFullBarrier, kDqHandoffThreads);
+    named_arrive(kBwdDqFullBarrier + dq_ring.slot, kDqHandoffThreads);
+    dq_ring.advance();
     detail::wgmma_wait<0>();  // dK: Q is free
     detail::fence_operands(dk);
     th.release(bar.q_empty(slot));

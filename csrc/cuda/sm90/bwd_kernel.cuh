@@ -2,8 +2,9 @@
 // dk / dv class), as the FlashAttention-2-class backward's grid.
 //
 //   warpgroup 0       producer (bwd_producer.cuh): warp 0 TMA-loads K, V and then Q, dO, lse
-//                     and D of every query block into a two-slot ring; warp 1 adds each
-//                     block's dQ stage to the fp32 accumulator (one bulk reduction)
+//                     and D of every query block into a two-slot ring; warp 1 (warps 1 and 2
+//                     in turn, deterministic) adds each block's dQ stage to the fp32
+//                     accumulator, one bulk reduction each
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
@@ -32,14 +33,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();
-  const BwdCtaWork w = bwd_cta_work<Tr>(P.p);
+  const BwdCtaWork w = bwd_cta_work<Tr>(P);
 
   if (threadIdx.x < 128) {
     release_registers<Tr::kProducerRegs>();
-    if (threadIdx.x < 32) {
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
       produce<Tr>(P, smem, bar, w);
-    } else if (threadIdx.x < 64) {
-      reduce_dq<Tr>(P, smem, w);
+    } else if (warp <= Tr::kDqStages) {
+      reduce_dq<Tr>(P, smem, w, warp - 1);
     }
     return;
   }

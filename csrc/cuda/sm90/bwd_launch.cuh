@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cuda/index_masks.cuh"
 #include "cuda/launch.h"
 #include "cuda/sm90/bwd_kernel.cuh"
@@ -41,6 +43,9 @@ cudaError_t RunBackwardKernel(const BwdParams& p, int64_t ctas, cudaStream_t str
   BwdParamsSm90 P{};
   P.p = p;
   P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
+  // As many slots as run at once, each its n_blocks CTAs.
+  P.chain_slots = static_cast<int>(
+      std::max<int64_t>(1, (MultiProcessors() + p.n_blocks / 2) / int64_t{p.n_blocks}));
   const int64_t B = s.batch_count();
   const int64_t kv_entries = KvEntries(s);
   cudaError_t e = EncodeRowMajorMap(&P.q_tma, p.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,

@@ -2,9 +2,9 @@
 // per query block Q with its lse rows and dO with its D rows by TMA into the next ring slot,
 // each slot once the consumers have released it (lse and D are read as flat vectors: a block's
 // rows start anywhere, its box on the 16-byte boundary below; the consumers mask the rows past
-// its length). Warp 1: each block's dQ stage, once both consumers have written it, added to the
-// fp32 accumulator with one bulk reduction (in turn with the other key blocks in a deterministic
-// call), then handed back.
+// its length). Warp 1 (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both
+// consumers have written it, added to the fp32 accumulator with one bulk reduction (in turn with
+// the other key blocks in a deterministic call), then handed back.
 #pragma once
 
 #include "cuda/sm90/bwd_scheduler.cuh"
@@ -64,28 +64,31 @@ __device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
   });
 }
 
-// The dQ warp: one bulk reduction per query block from the stage the consumers fill. In a
-// deterministic call it first waits for the next key block's reduction into the same rows, and
-// passes the turn on once its own has landed (after handing the stage back).
+// A dQ warp: one bulk reduction per query block from its stage, which the consumers fill with
+// every kDqStages-th block's dQ (from the `stage`-th). In a deterministic call it first waits for
+// the next key block's reduction into the same rows, and passes the turn on once its own has
+// landed (after handing the stage back).
 template <typename Tr>
 __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t* smem,
-                                          const BwdCtaWork& w) {
+                                          const BwdCtaWork& w, int stage) {
   const BwdParams& p = P.p;
   const bool leader = (threadIdx.x & 31) == 0;
-  const float* stage = reinterpret_cast<const float*>(smem + Tr::kOffDq);
+  const float* dq = reinterpret_cast<const float*>(smem + Tr::kOffDq + stage * Tr::kDqBytes);
   int32_t* landed = nullptr;  // the flag of the last reduction, until its turn is passed on
   const int32_t added = w.cta.n_block + 1;  // a flag's value once this key block has added
+  int block = 0;
   for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
-    named_arrive(kBwdDqEmptyBarrier, kDqHandoffThreads);
+    if (block++ % Tr::kDqStages != stage) return;
+    named_arrive(kBwdDqEmptyBarrier + stage, kDqHandoffThreads);
     if (leader && landed != nullptr) pass_turn(landed, added);
-    named_sync(kBwdDqFullBarrier, kDqHandoffThreads);
+    named_sync(kBwdDqFullBarrier + stage, kDqHandoffThreads);
     if (leader) {
       if (p.dq_turns != nullptr) {
         landed = dq_turn_flag<Tr>(p, blk);
         if (next_key_block_sees<Tr>(w, blk)) wait_turn(landed, added + 1);
       }
       float* dst = p.dq_accum + (StagedDq::row(p.s, blk.b, blk.h) + blk.m0) * Tr::D;
-      detail::bulk_reduce_add(dst, stage, min(Tr::BM, blk.lens.q_len - blk.m0) * Tr::D * 4);
+      detail::bulk_reduce_add(dst, dq, min(Tr::BM, blk.lens.q_len - blk.m0) * Tr::D * 4);
       detail::bulk_commit();
       detail::bulk_wait_read();
     }

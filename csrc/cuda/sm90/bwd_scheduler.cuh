@@ -2,7 +2,7 @@
 // FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
 // for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
 // query heads), the query blocks whose rows see some key of the block by lengths and position.
-// The producer, the dQ warp and the consumers each walk the same sequence. Deterministic calls
+// The producer, the dQ warps and the consumers each walk the same sequence. Deterministic calls
 // fix the order in which the key blocks add to a query block's dQ: from the last key block down.
 #pragma once
 
@@ -27,13 +27,30 @@ struct BwdBlock {
   detail::SeqLens lens;
 };
 
+// The CTAs of a deterministic call. The key blocks of a (kv head, class) slot add to a query
+// block's dQ from the last one down, and a CTA may wait only for CTAs launched before it, so the
+// CTAs take the key blocks in that order. Those of P.chain_slots slots (about as many as run at
+// once) interleave key block by key block: the CTAs that finish together (the same key block of
+// the running slots) are replaced by the same key block of the next slots, so that each CTA
+// starts about a turn after its predecessor and seldom waits. (Slot by slot, the CTAs of a slot
+// started together and queued for every query block's first turn again in each wave.)
+__device__ __forceinline__ detail::BwdCta deterministic_cta(const BwdParamsSm90& P, int64_t bid) {
+  const BwdParams& p = P.p;
+  const int Hk = static_cast<int>(p.s.num_kv_heads);
+  const int64_t slots = Hk * p.kv_classes, group_ctas = P.chain_slots * int64_t{p.n_blocks};
+  const int64_t group = bid / group_ctas, within = bid % group_ctas;
+  const int64_t in_group = min(int64_t{P.chain_slots}, slots - group * P.chain_slots);
+  const int64_t slot = group * P.chain_slots + within % in_group;
+  return {p.n_blocks - 1 - static_cast<int>(within / in_group), static_cast<int>(slot % Hk),
+          slot / Hk};
+}
+
 template <typename Tr>
-__device__ __forceinline__ BwdCtaWork bwd_cta_work(const BwdParams& p) {
+__device__ __forceinline__ BwdCtaWork bwd_cta_work(const BwdParamsSm90& P) {
+  const BwdParams& p = P.p;
   BwdCtaWork w;
-  w.cta = detail::bwd_cta<false>(p, blockIdx.x);
-  // Deterministic: the key blocks add to a query block's dQ from the last one down, and a CTA may
-  // wait only for CTAs launched before it, so the CTAs take the key blocks in that order.
-  if (p.dq_turns != nullptr) w.cta.n_block = p.n_blocks - 1 - w.cta.n_block;
+  w.cta = p.dq_turns != nullptr ? deterministic_cta(P, blockIdx.x)
+                                : detail::bwd_cta<false>(p, blockIdx.x);
   w.n0 = w.cta.n_block * Tr::BN;
   w.G = static_cast<int>(p.s.num_heads / p.s.num_kv_heads);
   w.pairs = p.kv_members * w.G;

@@ -3,11 +3,12 @@
 //
 // A CTA owns one block of BN = 128 keys of one kv head (and dk / dv class) and walks the query
 // blocks of BM = 64 rows that see it. Warpgroup 0 is the producer: warp 0 TMA-loads K and V once
-// and Q, dO (with their lse and D rows) of each query block into a two-slot ring; warp 1 adds each
-// block's dQ stage to the fp32 accumulator with one bulk reduction. Warpgroups 1 and 2 are the
-// consumers, 64 keys each: S^T, dP^T, dV and dK of their keys, and dQ of half the head dim over
-// all 128 keys (the two warpgroups exchange dS through shared memory). Every 16-bit tile is
-// stored as 64-column panels of 128-byte rows in the hardware's 128-byte swizzle.
+// and Q, dO (with their lse and D rows) of each query block into a two-slot ring; warp 1 (warps 1
+// and 2 in turn, deterministic) adds each block's dQ stage to the fp32 accumulator with one bulk
+// reduction. Warpgroups 1 and 2 are the consumers, 64 keys each: S^T, dP^T, dV and dK of their
+// keys, and dQ of half the head dim over all 128 keys (the two warpgroups exchange dS through
+// shared memory). Every 16-bit tile is stored as 64-column panels of 128-byte rows in the
+// hardware's 128-byte swizzle.
 #pragma once
 
 #include <cuda.h>
@@ -28,13 +29,28 @@ struct BwdParamsSm90 {
   CUtensorMap v_tma;
   CUtensorMap lse_tma;   // lse and D as flat vectors (EncodeVectorMap)
   CUtensorMap dsum_tma;
+  // Deterministic calls: the (kv head, class) slots whose CTAs interleave (deterministic_cta).
+  int chain_slots;
 };
 
-template <int D_>
+// Named barriers (0 is __syncthreads'): both consumers' dS of a block stored; the consumers'
+// epilogue; per dQ stage, the stage free / written (the consumers and the stage's dQ warp).
+constexpr int kBwdDsReadyBarrier = 1;
+constexpr int kBwdEpilogueBarrier = 2;
+constexpr int kBwdDqEmptyBarrier = 3;  // + stage
+constexpr int kBwdDqFullBarrier = 5;   // + stage
+constexpr int kConsumerThreads = 256;
+constexpr int kDqHandoffThreads = kConsumerThreads + 32;
+
+// kDqStages_: dQ stages, each reduced by a dQ warp of its own (warps 1, 2), the blocks taking
+// them in turn. Deterministic calls take two, so that their turns (round trips through L2)
+// overlap; the others one (a second stage made them 1-2 % slower on an H100).
+template <int D_, int kDqStages_ = 1>
 struct BwdTraitsSm90 {
   static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;  // Q / dO ring slots
+  static constexpr int kDqStages = kDqStages_;
   // As in the forward: 24 + 2 x 240 registers of the launch's 3 x 168.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * 168,
@@ -63,7 +79,7 @@ struct BwdTraitsSm90 {
   // A block's lse / D rows: TMA boxes of kRowBox floats from the 16-byte boundary at or below
   // the first row (a box must start on one), in slots of kRowSlot floats.
   static constexpr int kRowBox = BM + 4, kRowSlot = 96;
-  static constexpr uint32_t kOffLse = kOffDq + kDqBytes;  // kStages slots
+  static constexpr uint32_t kOffLse = kOffDq + kDqStages * kDqBytes;  // kStages slots
   static constexpr uint32_t kOffDsum = kOffLse + kStages * kRowSlot * 4;
   static constexpr uint32_t kOffBarriers = kOffDsum + kStages * kRowSlot * 4;
   // kv_full, then q_full, q_empty, do_full, do_empty per slot
@@ -72,6 +88,8 @@ struct BwdTraitsSm90 {
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDsBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
+  static_assert(kDqStages <= kBwdDqFullBarrier - kBwdDqEmptyBarrier && kDqStages <= 3,
+                "a named barrier pair per dQ stage, a producer warp beside the dQ warps");
   static_assert(kRowBox <= kRowSlot && kOffLse % 128 == 0 && (kRowSlot * 4) % 128 == 0,
                 "TMA destinations of the rows");
 
@@ -94,14 +112,5 @@ struct BwdBarriers {
     return base + 1 + 3 * Tr::kStages + slot;
   }
 };
-
-// Named barriers (0 is __syncthreads'): both consumers' dS of a block stored; the dQ stage
-// free / written (the consumers and the dQ warp); the consumers' epilogue.
-constexpr int kBwdDsReadyBarrier = 1;
-constexpr int kBwdDqEmptyBarrier = 2;
-constexpr int kBwdDqFullBarrier = 3;
-constexpr int kBwdEpilogueBarrier = 4;
-constexpr int kConsumerThreads = 256;
-constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 
 }  // namespace dmattn::cuda::sm90
