@@ -551,9 +551,11 @@ def test_cuda_lowering_reads_every_combination(monkeypatch):
 def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
     """The CUDA calls' workspaces are sized by the extension from the shapes the kernels see: q
     and k, and each index mask's (segment ids, key_start, row_start, the block indices with
-    their block sizes; None where absent), merged over batch dims under vmap. A fake extension
-    records what it is asked (a build without CUDA has no sizing functions)."""
+    their block sizes; None where absent), merged over batch dims under vmap, and the backward's
+    deterministic flag (its dQ turn flags). A fake extension records what it is asked (a build
+    without CUDA has no sizing functions)."""
     asked = []
+    deterministic_flags = []
 
     class Extension:
         @staticmethod
@@ -562,8 +564,9 @@ def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
             return 256
 
         @staticmethod
-        def cuda_backward_workspace_bytes(q, k, dk, bias, dbias, **index_masks):
+        def cuda_backward_workspace_bytes(q, k, dk, bias, dbias, deterministic, **index_masks):
             asked.append(("backward", tuple(bias), index_masks))
+            deterministic_flags.append(deterministic)
             return 256
 
     _ffi.register_targets()  # with the real extension, before the fake one stands in
@@ -609,6 +612,10 @@ def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
     none = dict.fromkeys(("q_segments", "kv_segments", "key_ranges", "row_ranges",
                           "block_indices"))
     assert [index_masks for *_, index_masks in asked] == [none, none]
+    assert deterministic_flags == [False] * 3
+
+    lower_for_cuda(q[0], k[0], v[0], dense[0], implementation="cuda", deterministic=True)
+    assert deterministic_flags[-1] is True
 
 
 @pytest.mark.gpu
