@@ -477,8 +477,13 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
     }
   }
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
-  p.block_order = nullptr;
   const int64_t ctas = BackwardCtas(launch, Tr::BN);
+  // A mask's heaviest key blocks first (deterministic calls keep their own order).
+  if (p.dq_turns != nullptr) {
+    p.block_order = nullptr;
+  } else if (cudaError_t e = OrderKeyBlocks<Tr>(p, ctas, stream); e != cudaSuccess) {
+    return e;
+  }
   if (cudaError_t e = p.dq_turns != nullptr
                           ? sm90::RunBackwardKernel<Deterministic, T>(p, ctas, stream)
                           : sm90::RunBackwardKernel<Tr, T>(p, ctas, stream);

@@ -1476,6 +1476,16 @@ std::vector<Case> QuickCases() {
     c.name = "quick_q300_k257_d128_seqlens_gqa_det"; c.deterministic = true; v.push_back(c);
   }
   {
+    // masks on the warp-specialised Hopper backward: a mask per kv head with empty rows and
+    // tiles (causal, GQA), and one broadcast over queries (its one row of bits) with a window
+    Case c; c.name = "quick_q333_k300_d128_mask_gqa_causal"; c.batch = {2}; c.H = 4; c.Hk = 2;
+    c.Lq = 333; c.Lk = 300; c.D = 128; c.causal = true; c.mask = Op({2}, 2, true, true);
+    c.mask_holes = true; v.push_back(c);
+    c = Case(); c.name = "quick_q200_k260_d64_mask_keys_window"; c.H = 2; c.Hk = 1; c.Lq = 200;
+    c.Lk = 260; c.D = 64; c.window_left = 100; c.window_right = 30;
+    c.mask = Op({1}, 1, false, true); v.push_back(c);
+  }
+  {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
     Case c; c.name = "quick_ordered_q1100_k4100_d128_mask"; c.H = 16; c.Hk = 4; c.Lq = 1100;
     c.Lk = 4100; c.D = 128; c.mask = Op({1}, 16, true, true); c.block_density = 0.1f;

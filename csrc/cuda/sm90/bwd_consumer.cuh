@@ -2,7 +2,7 @@
 // query block (64 rows, ring slot `slot`):
 //
 //   S^T  = K Q^T,  dP^T = V dO^T       wgmma, both operands in shared memory (two groups)
-//   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window hide a pair
+//   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window / the mask hide a pair
 //   dS^T = P^T (dP^T - D)              -> dS tile [key][query] in shared memory
 //   dV  += P^T dO,  dK += dS^T Q       wgmma, P / dS from registers
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
@@ -77,7 +77,7 @@ __device__ __forceinline__ void issue_query_grad(float (&dq)[Tr::kDqCols / 2], u
 // P^T = exp(S^T - lse) in place (0 where hidden); lse of the block's rows at `lse`.
 template <typename Tr>
 __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const float* lse,
-                                                const BwdParams& p, const BwdBlock& blk,
+                                                const BwdParams& p, const QueuedRows& blk,
                                                 const detail::Band& band, int key0,
                                                 const ConsumerThread& th) {
   const detail::SeqLens& L = blk.lens;
@@ -104,6 +104,25 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const fl
       const int i = blk.m0 + 8 * t + 2 * th.tq + (e & 1), j = key0 + 8 * (e >> 1);
       const bool in = i < L.q_len && j < L.kv_len && j - i >= band.dmin && j - i <= band.dmax;
       s[4 * t + e] = in ? s[4 * t + e] : 0.f;
+    }
+}
+
+// P^T = 0 where the block's mask bits (`tile`: BM rows of BN / 8 bytes, one row when the mask is
+// broadcast over queries) hide a pair. The thread's keys, key_local and key_local + 8, are bit g
+// of two consecutive bytes of a row.
+template <typename Tr>
+__device__ __forceinline__ void apply_mask_t(float (&s)[Tr::BM / 2], const uint8_t* tile,
+                                             bool one_row, int key_local,
+                                             const ConsumerThread& th) {
+  const uint8_t* bytes = tile + (key_local - th.g) / 8;
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = one_row ? 0 : 8 * t + 2 * th.tq + r;
+      const uint32_t bits = *reinterpret_cast<const uint16_t*>(bytes + row * (Tr::BN / 8)) >> th.g;
+      s[4 * t + r] = bits & 1 ? s[4 * t + r] : 0.f;
+      s[4 * t + 2 + r] = bits & 0x100 ? s[4 * t + 2 + r] : 0.f;
     }
 }
 
@@ -157,8 +176,9 @@ __device__ __forceinline__ void store_dq(float* stage, const float (&dq)[Tr::kDq
 // Every query block of the CTA; dK (unscaled) and dV of the warpgroup's keys accumulate in dk, dv.
 template <typename Tr, typename T>
 __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
-                                        const BwdBarriers<Tr>& bar, const BwdCtaWork& w,
-                                        const ConsumerThread& th, int wg_uniform,
+                                        const BwdBarriers<Tr>& bar, const BlockQueue<Tr>& queue,
+                                        const BwdCtaWork& w, const ConsumerThread& th,
+                                        int wg_uniform,
                                         float (&dk)[Tr::D / 2], float (&dv)[Tr::D / 2]) {
   const BwdParams& p = P.p;
   const BwdOperands<Tr> ops(detail::smem_u32(smem), wg_uniform);
@@ -173,11 +193,12 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
   mbar_wait(bar.kv_full(), 0);
   RingPos<Tr::kStages> ring;
   RingPos<Tr::kDqStages> dq_ring;
-  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+  QueueReader<Tr, QueuedRows> blocks{queue};
+  QueuedRows blk = blocks.next();
+#pragma unroll 1
+  while (blk.m0 >= 0) {
     const int slot = ring.slot;
     const uint32_t q_off = slot * Tr::kQBytes;
-    // the block's first lse / D row in its slot (the box starts on the 16-byte boundary below)
-    const int row_shift = static_cast<int>((p.s.lse_offset(blk.b, blk.h) + blk.m0) & 3);
     float s[Tr::BM / 2], dp[Tr::BM / 2];
 
     // ---- GEMM: S^T = K Q^T, dP^T = V dO^T ---------------------------------------------------
@@ -185,14 +206,20 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     issue_scores_t<Tr, T>(s, ops.k_rows, detail::gmma_advance(ops.q_kmajor, q_off));
     mbar_wait(bar.do_full(slot), ring.parity);
     issue_scores_t<Tr, T>(dp, ops.v_rows, detail::gmma_advance(ops.do_kmajor, q_off));
+    const QueuedRows next = blocks.next();  // while the GEMMs run: its pop waits on shared memory
 
     // ---- P^T, dS^T -------------------------------------------------------------------------
     detail::wgmma_wait<1>();
     detail::fence_operands(s);
-    probabilities_t<Tr>(s, lse_slots + slot * Tr::kRowSlot + row_shift, p, blk, w.band, key0, th);
+    probabilities_t<Tr>(s, lse_slots + slot * Tr::kRowSlot + blk.row_shift, p, blk, w.band, key0,
+                        th);
+    if (blk.flags & kBlockMasked) {
+      apply_mask_t<Tr>(s, smem + Tr::kOffMask + slot * Tr::kMaskBytes, P.mask_tiles.one_row,
+                       key_local, th);
+    }
     detail::wgmma_wait<0>();
     detail::fence_operands(dp);
-    score_grads_t<Tr>(dp, s, dsum_slots + slot * Tr::kRowSlot + row_shift, th);
+    score_grads_t<Tr>(dp, s, dsum_slots + slot * Tr::kRowSlot + blk.row_shift, th);
     uint32_t pf[Tr::BM / 16][4], dsf[Tr::BM / 16][4];
     pack_probabilities<T>(pf, s);
     pack_probabilities<T>(dsf, dp);
@@ -221,7 +248,8 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_operands(dk);
     th.release(bar.q_empty(slot));
     ring.advance();
-  });
+    blk = next;
+  }
 }
 
 }  // namespace dmattn::cuda::sm90

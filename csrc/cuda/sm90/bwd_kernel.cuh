@@ -1,15 +1,17 @@
 // Warp-specialised Hopper backward (FlashAttention-3 style): one CTA per (key block, kv head,
 // dk / dv class), as the FlashAttention-2-class backward's grid.
 //
-//   warpgroup 0       producer (bwd_producer.cuh): warp 0 TMA-loads K, V and then Q, dO, lse
-//                     and D of every query block into a two-slot ring; warp 1 (warps 1 and 2
-//                     in turn, deterministic) adds each block's dQ stage to the fp32
-//                     accumulator, one bulk reduction each
+//   warpgroup 0       producer: warp 3 walks the query blocks and queues them for the other
+//                     roles (bwd_scheduler.cuh); warp 0 TMA-loads K, V and then Q (with the
+//                     mask's bits), dO, lse and D of every queued block into a two-slot ring;
+//                     warp 1 (warps 1 and 2 in turn, deterministic) adds each block's dQ stage
+//                     to the fp32 accumulator, one bulk reduction each (bwd_producer.cuh)
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
-// Calls with lengths, causality or a window, GQA / MQA and dk / dv classes, deterministic or
-// not; no mask, bias, index masks, window tables or softcap (sm90/bwd_launch.cuh: Takes).
+// Calls with lengths, causality or a window, GQA / MQA, dk / dv classes and a mask (not with
+// the deterministic mode), deterministic or not; no bias, index masks, window tables or softcap
+// (sm90/bwd_launch.cuh: Takes).
 #pragma once
 
 #include "cuda/sm90/bwd_epilogue.cuh"
@@ -30,18 +32,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar.do_full(slot), 1);
       mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
     }
+    for (int slot = 0; slot < Tr::kQueueSlots; ++slot) {
+      mbar_init(bar.queue_full() + slot, 1);
+      mbar_init(bar.queue_empty() + slot, Tr::kQueueArrivals);
+    }
     mbar_init_fence();
   }
   __syncthreads();
   const BwdCtaWork w = bwd_cta_work<Tr>(P);
+  const BlockQueue<Tr> queue = block_queue<Tr>(smem, bar);
 
   if (threadIdx.x < 128) {
     release_registers<Tr::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
-      produce<Tr>(P, smem, bar, w);
+      load<Tr>(P, smem, bar, queue, w);
     } else if (warp <= Tr::kDqStages) {
-      reduce_dq<Tr>(P, smem, w, warp - 1);
+      reduce_dq<Tr>(P, smem, queue, w, warp - 1);
+    } else if (warp == 3) {
+      schedule<Tr>(P.p, w, queue);
     }
     return;
   }
@@ -51,7 +60,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // registers).
   const int wg = __shfl_sync(0xffffffffu, th.wg, 0);
   float dk[Tr::D / 2], dv[Tr::D / 2];
-  consume<Tr, T>(P, smem, bar, w, th, wg, dk, dv);
+  consume<Tr, T>(P, smem, bar, queue, w, th, wg, dk, dv);
   store_key_grads<Tr, T>(P, smem, w, th, dk, dv);
 #endif
 }

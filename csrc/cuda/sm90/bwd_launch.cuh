@@ -20,7 +20,7 @@ namespace dmattn::cuda::sm90 {
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
 // True when the kernel takes the call: dense attention with lengths, causality or a window,
-// GQA / MQA (no mask, bias, index masks, window table or softcap), dQ through the accumulator
+// GQA / MQA, a mask (no bias, index masks, window table or softcap), dQ through the accumulator
 // (deterministic calls: in turns, with the flags of the workspace), operands TMA can address.
 // The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
@@ -28,7 +28,10 @@ inline bool Takes(const BwdLaunch& l) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int D = static_cast<int>(p.s.head_dim);
   const BackwardKernel setting = BackwardKernelSetting();
-  return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && p.mask == nullptr &&
+  // A mask as the forward reads it (its bits by rows, not broadcast over keys), beside one dQ
+  // stage (BwdTraitsSm90::kMasks).
+  const bool mask_ok = p.mask == nullptr || (p.s.mask.col_stride == 1 && p.compute_dq);
+  return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok &&
          p.bias == nullptr && p.dbias_mode == kDbiasNone && IndexKindOf(p) == kNoIndex &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
@@ -64,6 +67,13 @@ cudaError_t RunBackwardKernel(const BwdParams& p, int64_t ctas, cudaStream_t str
   const int64_t rows = B * s.num_heads * s.seqlen_q;  // of lse and D
   if (e == cudaSuccess) e = EncodeVectorMap(&P.lse_tma, p.lse, rows, Tr::kRowBox);
   if (e == cudaSuccess) e = EncodeVectorMap(&P.dsum_tma, p.softmax_d, rows, Tr::kRowBox);
+  if (e == cudaSuccess && p.mask != nullptr) {
+    const OperandShape o = OperandShapeOf(s, s.mask);
+    P.mask_tiles = o.tiles;
+    e = EncodeOperandMap(&P.mask_tma, p.mask_map.bits, 1, s.dtype, o.batch_entries,
+                         o.head_entries, o.rows, (o.cols + 7) / 8, MaskBitsRowBytes(o.cols),
+                         Tr::BN / 8, o.tiles.one_row ? 1 : Tr::BM, false);
+  }
   if (e != cudaSuccess) return e;
   auto kernel = bwd_kernel<Tr, T>;
   if (cudaError_t e2 = PrepareSmem(kernel, Tr::kSmem); e2 != cudaSuccess) return e2;

@@ -1,10 +1,11 @@
-// Producer warpgroup of the Hopper backward. Warp 0: K and V of the key block by TMA once, then
-// per query block Q with its lse rows and dO with its D rows by TMA into the next ring slot,
-// each slot once the consumers have released it (lse and D are read as flat vectors: a block's
-// rows start anywhere, its box on the 16-byte boundary below; the consumers mask the rows past
-// its length). Warp 1 (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both
-// consumers have written it, added to the fp32 accumulator with one bulk reduction (in turn with
-// the other key blocks in a deterministic call), then handed back.
+// Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by
+// TMA once, then per queued query block Q with its lse rows (and mask bits) and dO with its D
+// rows by TMA into the next ring slot, each slot once the consumers have released it (lse and D
+// are read as flat vectors: a block's rows start anywhere, its box on the 16-byte boundary below;
+// the consumers mask the rows past its length). Warp 1 (warps 1 and 2 in turn, deterministic):
+// each block's dQ stage, once both consumers have written it, added to the fp32 accumulator with
+// one bulk reduction (in turn with the other key blocks in a deterministic call), then handed
+// back. Warp 3 walks the blocks and queues them (schedule, bwd_scheduler.cuh).
 #pragma once
 
 #include "cuda/sm90/bwd_scheduler.cuh"
@@ -12,8 +13,9 @@
 namespace dmattn::cuda::sm90 {
 
 template <typename Tr>
-__device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
-                                        const BwdBarriers<Tr>& bar, const BwdCtaWork& w) {
+__device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
+                                     const BwdBarriers<Tr>& bar, const BlockQueue<Tr>& queue,
+                                     const BwdCtaWork& w) {
   constexpr int BM = Tr::BM, BN = Tr::BN;
   const BwdParams& p = P.p;
   const AttentionShape& s = p.s;
@@ -25,6 +27,7 @@ __device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
     tma_prefetch_descriptor(&P.do_tma);
     tma_prefetch_descriptor(&P.lse_tma);
     tma_prefetch_descriptor(&P.dsum_tma);
+    if (p.mask != nullptr) tma_prefetch_descriptor(&P.mask_tma);
     mbar_arrive_expect_tx(bar.kv_full(), 2 * Tr::kKVBytes);
 #pragma unroll
     for (int panel = 0; panel < Tr::kPanels; ++panel) {
@@ -36,30 +39,38 @@ __device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
   }
   float* lse_slots = reinterpret_cast<float*>(smem + Tr::kOffLse);
   float* dsum_slots = reinterpret_cast<float*>(smem + Tr::kOffDsum);
+  const uint32_t mask_rows = P.mask_tiles.one_row ? 1 : BM;
 
   // A Q or dO tile of the block at `offset` and its rows of a per-row vector (lse or D) at
-  // `rows`, completing `full`.
+  // `rows`, completing `full` (with `extra_bytes` more that the caller loads).
   auto load_rows = [&](uint32_t offset, const CUtensorMap* map, float* rows,
-                       const CUtensorMap* row_map, uint64_t* full, const BwdBlock& blk) {
+                       const CUtensorMap* row_map, uint64_t* full, const QueuedBlock& blk,
+                       uint32_t extra_bytes) {
     if (!leader) return;
-    mbar_arrive_expect_tx(full, Tr::kQBytes + Tr::kRowBox * 4);
+    mbar_arrive_expect_tx(full, Tr::kQBytes + Tr::kRowBox * 4 + extra_bytes);
 #pragma unroll
     for (int panel = 0; panel < Tr::kPanels; ++panel) {
       tma_load(smem + offset + panel * BM * 128, map, full, panel * 64, blk.h, blk.m0,
-               static_cast<int>(blk.b));
+               blk.b);
     }
-    const int64_t first = s.lse_offset(blk.b, blk.h) + blk.m0;
-    tma_load(rows, row_map, full, static_cast<int>(first & ~int64_t{3}), 0, 0, 0);
+    tma_load(rows, row_map, full, blk.lse_box, 0, 0, 0);
   };
   RingPos<Tr::kStages> ring;
-  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+  for_each_queued_block<Tr, QueuedBlock>(queue, [&](const QueuedBlock& blk) {
     const int slot = ring.slot;
+    const uint32_t mask_bytes = blk.flags & kBlockMasked ? mask_rows * (BN / 8) : 0;
     mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
-              &P.lse_tma, bar.q_full(slot), blk);
+              &P.lse_tma, bar.q_full(slot), blk, mask_bytes);
+    if (leader && mask_bytes > 0) {  // the block's mask bits, with Q
+      tma_load(smem + Tr::kOffMask + slot * Tr::kMaskBytes, &P.mask_tma, bar.q_full(slot),
+               w.n0 / 8, P.mask_tiles.one_row ? 0 : blk.m0,
+               P.mask_tiles.head_coord(s.mask, blk.h),
+               P.mask_tiles.batch_coord(s.mask, s.batch, blk.b));
+    }
     mbar_wait(bar.do_empty(slot), ring.parity ^ 1);
     load_rows(Tr::kOffdO + slot * Tr::kQBytes, &P.do_tma, dsum_slots + slot * Tr::kRowSlot,
-              &P.dsum_tma, bar.do_full(slot), blk);
+              &P.dsum_tma, bar.do_full(slot), blk, 0);
     ring.advance();
   });
 }
@@ -70,30 +81,44 @@ __device__ __forceinline__ void produce(const BwdParamsSm90& P, uint8_t* smem,
 // landed (after handing the stage back).
 template <typename Tr>
 __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t* smem,
-                                          const BwdCtaWork& w, int stage) {
+                                          const BlockQueue<Tr>& queue, const BwdCtaWork& w,
+                                          int stage) {
   const BwdParams& p = P.p;
   const bool leader = (threadIdx.x & 31) == 0;
   const float* dq = reinterpret_cast<const float*>(smem + Tr::kOffDq + stage * Tr::kDqBytes);
   int32_t* landed = nullptr;  // the flag of the last reduction, until its turn is passed on
   const int32_t added = w.cta.n_block + 1;  // a flag's value once this key block has added
-  int block = 0;
-  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
-    if (block++ % Tr::kDqStages != stage) return;
+  QueueReader<Tr, QueuedBlock> blocks{queue};
+  int skip = stage;  // the other stages' blocks before this stage's next
+  auto next_block = [&] {
+    QueuedBlock blk = blocks.next();
+    for (; skip > 0 && blk.m0 >= 0; --skip) blk = blocks.next();
+    skip = Tr::kDqStages - 1;
+    return blk;
+  };
+  QueuedBlock blk = next_block();
+#pragma unroll 1
+  while (blk.m0 >= 0) {
     named_arrive(kBwdDqEmptyBarrier + stage, kDqHandoffThreads);
     if (leader && landed != nullptr) pass_turn(landed, added);
+    // the next block while the consumers fill the stage: nothing but the reduction between the
+    // stage written and the stage handed back
+    const QueuedBlock next = next_block();
     named_sync(kBwdDqFullBarrier + stage, kDqHandoffThreads);
     if (leader) {
       if (p.dq_turns != nullptr) {
-        landed = dq_turn_flag<Tr>(p, blk);
-        if (next_key_block_sees<Tr>(w, blk)) wait_turn(landed, added + 1);
+        landed = turn_flag<Tr>(p, blk);
+        if (blk.flags & kBlockWaits) wait_turn(landed, added + 1);
       }
       float* dst = p.dq_accum + (StagedDq::row(p.s, blk.b, blk.h) + blk.m0) * Tr::D;
-      detail::bulk_reduce_add(dst, dq, min(Tr::BM, blk.lens.q_len - blk.m0) * Tr::D * 4);
+      const int rows = min(Tr::BM, blk.lens.q_len - blk.m0);
+      detail::bulk_reduce_add(dst, dq, rows * Tr::D * 4);
       detail::bulk_commit();
       detail::bulk_wait_read();
     }
     __syncwarp();
-  });
+    blk = next;
+  }
   if (leader && landed != nullptr) pass_turn(landed, added);
 }
 

@@ -1,11 +1,17 @@
 // The work of one CTA of the Hopper backward: its key block, kv head and dk / dv class (the
 // FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
 // for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
-// query heads), the query blocks whose rows see some key of the block by lengths and position.
-// The producer, the dQ warps and the consumers each walk the same sequence. Deterministic calls
-// fix the order in which the key blocks add to a query block's dQ: from the last key block down.
+// query heads), the query blocks whose rows see some key of the block by lengths and position
+// and whose tile the mask does not hide entirely (its block map, read 32 tiles at a time by
+// TileWalk). A scheduler warp walks them and queues each block with what the other roles need of
+// it (QueuedBlock: the consumers' rows, lengths and mask, the loader's and the dQ warps'
+// coordinates), so that neither the consumers' nor the loader's registers carry the walk. With
+// a mask, the CTAs take the key blocks heaviest first (the block order of launch_template.cuh);
+// deterministic calls fix the order in which the key blocks add to a query block's dQ: from the
+// last key block down.
 #pragma once
 
+#include "cuda/block_map.cuh"
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/sm90/bwd_traits.cuh"
 
@@ -25,6 +31,8 @@ struct BwdBlock {
   int h;
   int m0;
   detail::SeqLens lens;
+  uint32_t lse_base;  // the pair's first lse / D row (modulo 2^32: TMA coordinates are 32-bit)
+  int mask_flags;     // of its tile (block_map.cuh): kTileAll, its mask bits need no load
 };
 
 // The CTAs of a deterministic call. The key blocks of a (kv head, class) slot add to a query
@@ -68,7 +76,17 @@ __device__ __forceinline__ void query_blocks_of(const BwdCtaWork& w, int n0,
   detail::query_blocks_seeing<Tr::BM, Tr::BN, false>(n0, L, rule, m_first, m_last);
 }
 
-// f(block) for every query block of the CTA, in order.
+// The mask's flags of the tile of query block m0 and the key block at n0 of (batch b, query
+// head h): all visible without a mask.
+template <typename Tr>
+__device__ __forceinline__ int mask_tile_flags(const BwdParams& p, int64_t b, int h, int m0,
+                                               int n0) {
+  if (p.mask == nullptr) return detail::kTileAny | detail::kTileAll;
+  return detail::MaskMapView(p.mask_map, p.s, b, h).tile<Tr::BM, Tr::BN>(m0, n0);
+}
+
+// f(block) for every query block of the CTA, in order, but those the mask hides entirely (the
+// scheduler's walk, a warp-wide call).
 template <typename Tr, typename F>
 __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const BwdCtaWork& w,
                                                      F&& f) {
@@ -78,29 +96,101 @@ __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const B
     blk.b = detail::batch_of(p, w.cta.cls, pi / w.G);
     blk.h = w.cta.hk * w.G + static_cast<int>(pi % w.G);
     blk.lens = detail::seq_lens(p.s, p.q_lens, p.kv_lens, blk.b);
+    blk.lse_base = static_cast<uint32_t>(p.s.lse_offset(blk.b, blk.h));
     int m_first, m_last;
     query_blocks_of<Tr>(w, w.n0, blk.lens, &m_first, &m_last);
+    auto walk = detail::query_block_walk<Tr::BM, Tr::BN>(
+        detail::MaskMapView(p.mask_map, p.s, blk.b, blk.h), p.mask != nullptr, w.n0, m_last);
 #pragma unroll 1
-    for (int m = m_first; m <= m_last; ++m) {
+    for (int m = walk.next(m_first, &blk.mask_flags); m <= m_last;
+         m = walk.next(m + 1, &blk.mask_flags)) {
       blk.m0 = m * Tr::BM;
       f(blk);
     }
   }
 }
 
-// Deterministic dQ: the block's turn flag (BwdParams::dq_turns), and whether the next key block
-// adds to the block's dQ too (then it goes first: the flag holds its index + 1 once it has).
+// Deterministic dQ: whether the next key block adds to the block's dQ too (then it goes first:
+// the block's turn flag holds its index + 1 once it has).
 template <typename Tr>
-__device__ __forceinline__ int32_t* dq_turn_flag(const BwdParams& p, const BwdBlock& blk) {
-  const int64_t row_blocks = (p.s.seqlen_q + Tr::BM - 1) / Tr::BM;
-  return p.dq_turns + (blk.b * p.s.num_heads + blk.h) * row_blocks + blk.m0 / Tr::BM;
-}
-template <typename Tr>
-__device__ __forceinline__ bool next_key_block_sees(const BwdCtaWork& w, const BwdBlock& blk) {
+__device__ __forceinline__ bool next_key_block_sees(const BwdParams& p, const BwdCtaWork& w,
+                                                    const BwdBlock& blk) {
   int m_first, m_last;
-  query_blocks_of<Tr>(w, w.n0 + Tr::BN, blk.lens, &m_first, &m_last);
+  const int n0 = w.n0 + Tr::BN;
+  query_blocks_of<Tr>(w, n0, blk.lens, &m_first, &m_last);
   const int m = blk.m0 / Tr::BM;
-  return m_first <= m && m <= m_last;
+  return m_first <= m && m <= m_last &&
+         (mask_tile_flags<Tr>(p, blk.b, blk.h, blk.m0, n0) & detail::kTileAny);
+}
+
+// The block as the other roles need it: the consumers' rows, lengths, lse / D shift and mask,
+// the loader's and the dQ warps' coordinates and turn flag.
+template <typename Tr>
+__device__ __forceinline__ QueuedBlock queued_block(const BwdParams& p, const BwdCtaWork& w,
+                                                    const BwdBlock& blk) {
+  QueuedBlock q{};
+  q.m0 = blk.m0;
+  q.lens = blk.lens;
+  const uint32_t first_row = blk.lse_base + static_cast<uint32_t>(blk.m0);
+  q.row_shift = static_cast<uint16_t>(first_row & 3);
+  q.lse_box = static_cast<int>(first_row & ~3u);
+  if (Tr::kMasks && p.mask != nullptr && !(blk.mask_flags & detail::kTileAll)) {
+    q.flags |= kBlockMasked;
+  }
+  if (p.dq_turns != nullptr && next_key_block_sees<Tr>(p, w, blk)) q.flags |= kBlockWaits;
+  q.b = static_cast<int>(blk.b);
+  q.h = blk.h;
+  return q;
+}
+
+// A deterministic call's dQ turn flag of the block (BwdParams::dq_turns).
+template <typename Tr>
+__device__ __forceinline__ int32_t* turn_flag(const BwdParams& p, const QueuedBlock& blk) {
+  const int64_t row_blocks = (p.s.seqlen_q + Tr::BM - 1) / Tr::BM;
+  return p.dq_turns + (int64_t{blk.b} * p.s.num_heads + blk.h) * row_blocks + blk.m0 / Tr::BM;
+}
+
+template <typename Tr>
+using BlockQueue = SmemQueue<QueuedBlock, Tr::kQueueSlots>;
+
+template <typename Tr>
+__device__ __forceinline__ BlockQueue<Tr> block_queue(uint8_t* smem, const BwdBarriers<Tr>& bar) {
+  return {reinterpret_cast<QueuedBlock*>(smem + Tr::kOffQueue), bar.queue_full(),
+          bar.queue_empty()};
+}
+
+// The scheduler warp: every block of the walk into the queue, then the end of the walk.
+template <typename Tr>
+__device__ __forceinline__ void schedule(const BwdParams& p, const BwdCtaWork& w,
+                                         const BlockQueue<Tr>& queue) {
+  const bool leader = (threadIdx.x & 31) == 0;
+  RingPos<Tr::kQueueSlots> pos;
+  for_each_query_block<Tr>(p, w, [&](const BwdBlock& blk) {
+    const QueuedBlock q = queued_block<Tr>(p, w, blk);
+    if (leader) queue.push(pos, q);
+  });
+  if (leader) {
+    QueuedBlock end{};
+    end.m0 = -1;
+    queue.push(pos, end);
+  }
+}
+
+// A role's reading of the queue: each block's part `Part` of QueuedBlock in turn (every thread of
+// the role's warps reads); a part with m0 < 0 ends the walk.
+template <typename Tr, typename Part>
+struct QueueReader {
+  BlockQueue<Tr> queue;
+  RingPos<Tr::kQueueSlots> pos;
+  __device__ __forceinline__ Part next() { return queue.template pop_each<Part>(pos); }
+};
+
+// f(block) for every block the scheduler queues, in order (every thread of a warp).
+template <typename Tr, typename Part, typename F>
+__device__ __forceinline__ void for_each_queued_block(const BlockQueue<Tr>& queue, F&& f) {
+  QueueReader<Tr, Part> blocks{queue};
+#pragma unroll 1
+  for (Part blk = blocks.next(); blk.m0 >= 0; blk = blocks.next()) f(blk);
 }
 
 }  // namespace dmattn::cuda::sm90

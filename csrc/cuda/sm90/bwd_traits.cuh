@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cuda/kernel_params.h"
+#include "cuda/sm90/fwd_params.h"
 #include "cuda/sm90/sync.cuh"
 
 namespace dmattn::cuda::sm90 {
@@ -29,9 +30,26 @@ struct BwdParamsSm90 {
   CUtensorMap v_tma;
   CUtensorMap lse_tma;   // lse and D as flat vectors (EncodeVectorMap)
   CUtensorMap dsum_tma;
+  CUtensorMap mask_tma;  // the mask's bits (as the forward's)
+  OperandTiles mask_tiles;
   // Deterministic calls: the (kv head, class) slots whose CTAs interleave (deterministic_cta).
   int chain_slots;
 };
+
+// A query block as the scheduler warp hands it to the other roles through a queue in shared
+// memory (bwd_scheduler.cuh), in parts that lead one another: each role pops the part it reads.
+struct QueuedRows {  // the consumers'
+  int m0;            // its first query row; -1: the walk is over
+  detail::SeqLens lens;
+  uint16_t row_shift;  // of its first lse / D row in their slots
+  uint16_t flags;      // kBlockMasked | kBlockWaits
+};
+struct QueuedBlock : QueuedRows {  // the loader's and the dQ warps'
+  int b, h;                         // its (batch, query head)
+  int lse_box;  // the first row of its lse / D box (a TMA coordinate: the 16-byte boundary below)
+};
+constexpr int kBlockMasked = 1;  // its mask bits come with its Q (a tile partly hidden)
+constexpr int kBlockWaits = 2;   // deterministic: the next key block adds to its dQ first
 
 // Named barriers (0 is __syncthreads'): both consumers' dS of a block stored; the consumers'
 // epilogue; per dQ stage, the stage free / written (the consumers and the stage's dQ warp).
@@ -51,8 +69,11 @@ struct BwdTraitsSm90 {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;  // Q / dO ring slots
   static constexpr int kDqStages = kDqStages_;
-  // As in the forward: 24 + 2 x 240 registers of the launch's 3 x 168.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // 56 + 2 x 224 registers of the launch's 3 x 168: the producer warpgroup's scheduler and
+  // loader spilled at 24 (local traffic beside the consumers' shared memory: D64 backward 6 %
+  // slower at 24, 4 % at 40 than at 56 on an H100), and the consumers fit 224 (at D128 with a
+  // few spills, D64 none).
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * 168,
                 "register budgets within the CTA's launch allocation");
 
@@ -81,20 +102,35 @@ struct BwdTraitsSm90 {
   static constexpr int kRowBox = BM + 4, kRowSlot = 96;
   static constexpr uint32_t kOffLse = kOffDq + kDqStages * kDqBytes;  // kStages slots
   static constexpr uint32_t kOffDsum = kOffLse + kStages * kRowSlot * 4;
-  static constexpr uint32_t kOffBarriers = kOffDsum + kStages * kRowSlot * 4;
-  // kv_full, then q_full, q_empty, do_full, do_empty per slot
-  static constexpr int kBarriers = 1 + 4 * kStages;
+  // A block's mask bits (BM rows of BN / 8 bytes) beside its Q, one per ring slot. Deterministic
+  // calls (two dQ stages) have no room for them at D = 128: with a mask they run the
+  // FlashAttention-2-class backward (Takes).
+  static constexpr bool kMasks = kDqStages == 1;
+  static constexpr uint32_t kMaskBytes = BM * BN / 8;
+  static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
+  // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.
+  static constexpr int kQueueSlots = 8;
+  static constexpr uint32_t kOffQueue = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
+  static constexpr uint32_t kOffBarriers = kOffQueue + kQueueSlots * sizeof(QueuedBlock);
+  // kv_full, then q_full, q_empty, do_full, do_empty per slot, then the queue's full, empty
+  static constexpr int kBarriers = 1 + 4 * kStages + 2 * kQueueSlots;
   static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDsBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
-  static_assert(kDqStages <= kBwdDqFullBarrier - kBwdDqEmptyBarrier && kDqStages <= 3,
-                "a named barrier pair per dQ stage, a producer warp beside the dQ warps");
+  static_assert(kDqStages <= kBwdDqFullBarrier - kBwdDqEmptyBarrier && kDqStages <= 2,
+                "a named barrier pair per dQ stage; the loader and scheduler warps beside the "
+                "dQ warps");
   static_assert(kRowBox <= kRowSlot && kOffLse % 128 == 0 && (kRowSlot * 4) % 128 == 0,
                 "TMA destinations of the rows");
+  static_assert(kOffMask % 128 == 0 && kMaskBytes % 128 == 0, "TMA destinations of the masks");
+  static_assert((kQueueSlots * sizeof(QueuedBlock)) % 8 == 0 && sizeof(QueuedRows) == 16,
+                "the queue keeps the barriers 8-byte aligned; the consumers' part, one load");
 
-  // Every consumer warp releases a ring slot once its wgmmas have read it.
+  // Every consumer warp releases a ring slot once its wgmmas have read it; a queue slot, every
+  // thread of the consumers, the dQ warps and the loader warp once it has read the block.
   static constexpr int kReleaseArrivals = 4 * kConsumers;
+  static constexpr int kQueueArrivals = 32 * (4 * kConsumers + kDqStages + 1);
 };
 
 template <typename Tr>
@@ -110,6 +146,10 @@ struct BwdBarriers {
   }
   __device__ __forceinline__ uint64_t* do_empty(int slot) const {
     return base + 1 + 3 * Tr::kStages + slot;
+  }
+  __device__ __forceinline__ uint64_t* queue_full() const { return base + 1 + 4 * Tr::kStages; }
+  __device__ __forceinline__ uint64_t* queue_empty() const {
+    return queue_full() + Tr::kQueueSlots;
   }
 };
 

@@ -89,40 +89,9 @@ struct QueuedTile {
 static_assert(sizeof(QueuedTile) <= kQueuedTileBytes && sizeof(QueuedTile) % 4 == 0,
               "a queue slot holds one tile, passed between lanes as 32-bit words");
 
-// Tiles from the producer to the consumers (and the operand warp): slot i holds a tile once
-// full[i] completes; every warp that pops it releases it through empty[i].
+// Tiles from the producer to the consumers (and the operand warp): sync.cuh's SmemQueue.
 template <int kSlots>
-struct TileQueue {
-  QueuedTile* tiles;  // [kSlots]
-  uint64_t* full;     // [kSlots], one arrival (the producer)
-  uint64_t* empty;    // [kSlots], one arrival per consumer warp (and the operand warp)
-
-  __device__ __forceinline__ void push(RingPos<kSlots>& pos, const QueuedTile& tile) const {
-    mbar_wait(empty + pos.slot, pos.parity ^ 1);
-    tiles[pos.slot] = tile;
-    mbar_arrive(full + pos.slot);
-    pos.advance();
-  }
-  // The next tile, read by each warp's lane 0 and passed to its lanes: an arrival releases only
-  // its own thread's reads, so the lane that reads is the lane that arrives.
-  __device__ __forceinline__ QueuedTile pop(RingPos<kSlots>& pos, int lane) const {
-    constexpr int kWords = sizeof(QueuedTile) / 4;
-    mbar_wait(full + pos.slot, pos.parity);
-    uint32_t words[kWords] = {};
-    if (lane == 0) {
-      const uint32_t* slot = reinterpret_cast<const uint32_t*>(tiles + pos.slot);
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) words[i] = slot[i];
-      mbar_arrive(empty + pos.slot);
-    }
-    pos.advance();
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
-    QueuedTile tile;
-    memcpy(&tile, words, sizeof(tile));
-    return tile;
-  }
-};
+using TileQueue = SmemQueue<QueuedTile, kSlots>;
 
 // The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
 // visible (all of them without either), from the last to the first (block_map.cuh), stepping

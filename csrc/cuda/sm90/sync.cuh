@@ -1,7 +1,8 @@
 // sm_90a synchronisation and copy primitives of the warp-specialised kernels: mbarriers (the
 // producer / consumer ring), the tensor memory accelerator (TMA: whole tiles between global and
 // shared memory, completing on an mbarrier), named barriers among warpgroups, turns between CTAs
-// (flags in global memory) and register reallocation between warpgroups (setmaxnreg).
+// (flags in global memory), register reallocation between warpgroups (setmaxnreg) and a queue of
+// small items from a producer thread to other warps.
 //
 // An mbarrier here counts a phase: it completes when its expected arrivals have arrived and the
 // bytes announced with arrive_expect_tx have landed; waiters name the parity of the phase they
@@ -10,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/kernel_utils.cuh"
 #include "cuda/sm90.cuh"
@@ -137,6 +139,53 @@ struct RingPos {
       slot = 0;
       parity ^= 1;
     }
+  }
+};
+
+// Items from one producer thread to several warps through shared memory: slot i holds an item
+// once full[i] completes; every reader releases it through empty[i], whose count says who reads:
+// one lane per popping warp (pop) or every thread that pops (pop_each).
+template <typename Item, int kSlots>
+struct SmemQueue {
+  static_assert(sizeof(Item) % 4 == 0, "items pass between lanes as 32-bit words");
+  Item* items;      // [kSlots]
+  uint64_t* full;   // [kSlots], one arrival (the producer)
+  uint64_t* empty;  // [kSlots], one arrival per reader
+
+  __device__ __forceinline__ void push(RingPos<kSlots>& pos, const Item& item) const {
+    mbar_wait(empty + pos.slot, pos.parity ^ 1);
+    items[pos.slot] = item;
+    mbar_arrive(full + pos.slot);
+    pos.advance();
+  }
+  // The next item, read by each warp's lane 0 and passed to its lanes: an arrival releases only
+  // its own thread's reads, so the lane that reads is the lane that arrives.
+  __device__ __forceinline__ Item pop(RingPos<kSlots>& pos, int lane) const {
+    constexpr int kWords = sizeof(Item) / 4;
+    mbar_wait(full + pos.slot, pos.parity);
+    uint32_t words[kWords] = {};
+    if (lane == 0) {
+      const uint32_t* slot = reinterpret_cast<const uint32_t*>(items + pos.slot);
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) words[i] = slot[i];
+      mbar_arrive(empty + pos.slot);
+    }
+    pos.advance();
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+    Item item;
+    memcpy(&item, words, sizeof(item));
+    return item;
+  }
+  // The next item's part `Part` (a base of Item), read and released by every calling thread:
+  // no shuffles between the read and its use.
+  template <typename Part = Item>
+  __device__ __forceinline__ Part pop_each(RingPos<kSlots>& pos) const {
+    mbar_wait(full + pos.slot, pos.parity);
+    const Part part = items[pos.slot];
+    mbar_arrive(empty + pos.slot);
+    pos.advance();
+    return part;
   }
 };
 
