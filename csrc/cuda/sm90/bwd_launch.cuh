@@ -68,11 +68,7 @@ cudaError_t RunBackwardKernel(const BwdParams& p, int64_t ctas, cudaStream_t str
   if (e == cudaSuccess) e = EncodeVectorMap(&P.lse_tma, p.lse, rows, Tr::kRowBox);
   if (e == cudaSuccess) e = EncodeVectorMap(&P.dsum_tma, p.softmax_d, rows, Tr::kRowBox);
   if (e == cudaSuccess && p.mask != nullptr) {
-    const OperandShape o = OperandShapeOf(s, s.mask);
-    P.mask_tiles = o.tiles;
-    e = EncodeOperandMap(&P.mask_tma, p.mask_map.bits, 1, s.dtype, o.batch_entries,
-                         o.head_entries, o.rows, (o.cols + 7) / 8, MaskBitsRowBytes(o.cols),
-                         Tr::BN / 8, o.tiles.one_row ? 1 : Tr::BM, false);
+    e = EncodeMaskBitsMap(&P.mask_tma, &P.mask_tiles, s, p.mask_map.bits, Tr::BM, Tr::BN);
   }
   if (e != cudaSuccess) return e;
   auto kernel = bwd_kernel<Tr, T>;

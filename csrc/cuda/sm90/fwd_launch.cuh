@@ -48,6 +48,18 @@ inline OperandShape OperandShapeOf(const AttentionShape& s, const BroadcastOpera
   return o;
 }
 
+// The mask's bits (MaskBlockMap::bits) in boxes of box_rows x box_cols keys (one row when the
+// mask is broadcast over queries); *tiles: where a kernel finds a tile's box.
+inline cudaError_t EncodeMaskBitsMap(CUtensorMap* map, OperandTiles* tiles,
+                                     const AttentionShape& s, const void* bits, int box_rows,
+                                     int box_cols) {
+  const OperandShape o = OperandShapeOf(s, s.mask);
+  *tiles = o.tiles;
+  return EncodeOperandMap(map, bits, 1, s.dtype, o.batch_entries, o.head_entries, o.rows,
+                          (o.cols + 7) / 8, MaskBitsRowBytes(o.cols), box_cols / 8,
+                          o.tiles.one_row ? 1 : box_rows, false);
+}
+
 // Distinct batch entries of k / v (1 when broadcast over every batch dim).
 inline int64_t KvEntries(const AttentionShape& s) {
   const int64_t entry = s.seqlen_k * s.num_kv_heads * s.head_dim;
@@ -112,11 +124,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
                          o.tiles.one_row ? 1 : Tr::BM, !o.tiles.one_row);
   }
   if (e == cudaSuccess && params.mask != nullptr) {
-    const OperandShape o = OperandShapeOf(s, s.mask);
-    P.mask_tiles = o.tiles;
-    e = EncodeOperandMap(&P.mask_tma, params.mask_map.bits, 1, s.dtype, o.batch_entries,
-                         o.head_entries, o.rows, (o.cols + 7) / 8, MaskBitsRowBytes(o.cols),
-                         Tr::BN / 8, o.tiles.one_row ? 1 : Tr::BM, false);
+    e = EncodeMaskBitsMap(&P.mask_tma, &P.mask_tiles, s, params.mask_map.bits, Tr::BM, Tr::BN);
   }
   if (e != cudaSuccess) return e;
   auto kernel = fwd_kernel<Tr, T>;
