@@ -378,8 +378,8 @@ def cuda_set_forward_kernel(name: str) -> None:
 
 def cuda_set_backward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default: on a Hopper GPU the warp-specialised
-    backward where it takes the call, i.e. head dims 64 and 128 without a mask, bias, index
-    masks, window table or softcap) or ``"flash2"`` (the
+    backward where it takes the call, i.e. head dims 64 and 128 without a bias, index masks,
+    window table or softcap, and with a mask only when not deterministic) or ``"flash2"`` (the
     FlashAttention-2-class backward for every call), for the whole process, like
     :func:`cuda_set_forward_kernel` (call ``jax.clear_caches()`` too)."""
     _extension().cuda_set_backward_kernel(name)
