@@ -165,10 +165,11 @@ def test_forward_generations(case, kernel):
         jax.clear_caches()
 
 
-# Calls the warp-specialised Hopper backward takes (no bias or softcap; head dims 64 and 128):
-# causal GQA, lengths with a window and MQA, a short causal one, rows whose lse / D vectors start
-# off 16-byte boundaries (Lq odd), and masks: per batch entry with whole rows hidden, per head
-# broadcast over queries, and block-sparse.
+# Calls the warp-specialised Hopper backward takes (no softcap; head dims 64 and 128): causal
+# GQA, lengths with a window and MQA, a short causal one, rows whose lse / D vectors start off
+# 16-byte boundaries (Lq odd), masks (per batch entry with whole rows hidden, per head broadcast
+# over queries, block-sparse) and full-size biases (their dbias stored from the dS tiles) with a
+# mask or a window.
 HOPPER_BACKWARD_CASES = [
     Case(B=2, Lq=1000, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", causal=True),
     Case(B=2, Lq=1000, Lk=700, H=8, Hk=1, D=128, dtype="float16", front_end="dpa",
@@ -180,6 +181,10 @@ HOPPER_BACKWARD_CASES = [
     Case(B=2, Lq=333, Lk=520, H=4, Hk=1, D=64, dtype="float16", mask=("1", "H", "1", "Lk")),
     Case(B=1, Lq=1024, Lk=1024, H=2, Hk=2, D=128, dtype="bfloat16", mask=("1", "1", "Lq", "Lk"),
          mask_kind="blocks"),
+    Case(B=2, Lq=333, Lk=520, H=4, Hk=2, D=128, dtype="bfloat16", causal=True,
+         mask=("B", "1", "Lq", "Lk"), mask_kind="rows", bias=("B", "H", "Lq", "Lk")),
+    Case(B=1, Lq=200, Lk=264, H=2, Hk=1, D=64, dtype="float16", window=(100, 30),
+         bias=("1", "H", "Lq", "Lk")),
 ]
 
 

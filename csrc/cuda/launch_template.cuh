@@ -463,6 +463,7 @@ template <int D, typename T>
 cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   using Tr = sm90::BwdTraitsSm90<D>;
   using Deterministic = sm90::BwdTraitsSm90<D, 2>;
+  using Biased = sm90::BwdTraitsSm90<D, 1, true>;
   BwdParams p = launch.p;
   const AttentionShape& s = p.s;
   const int64_t q_elems = s.batch_count() * s.seqlen_q * s.num_heads * D;
@@ -478,18 +479,27 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   }
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
   const int64_t ctas = BackwardCtas(launch, Tr::BN);
+  // A full-size dbias: zeros where the kernel stores no tile (the band's and the mask's skipped
+  // tiles), or all of it first.
+  if (p.dbias_fill) {
+    bwd_zero_dbias<Tr::BM, Tr::BN, T><<<static_cast<unsigned>(ctas), kZeroThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  } else if (p.dbias_mode == kDbiasDirect) {
+    if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, launch.dbias_elems * sizeof(T), stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   // A mask's heaviest key blocks first (deterministic calls keep their own order).
   if (p.dq_turns != nullptr) {
     p.block_order = nullptr;
   } else if (cudaError_t e = OrderKeyBlocks<Tr>(p, ctas, stream); e != cudaSuccess) {
     return e;
   }
-  if (cudaError_t e = p.dq_turns != nullptr
-                          ? sm90::RunBackwardKernel<Deterministic, T>(p, ctas, stream)
-                          : sm90::RunBackwardKernel<Tr, T>(p, ctas, stream);
-      e != cudaSuccess) {
-    return e;
-  }
+  auto run = p.dq_turns != nullptr ? sm90::RunBackwardKernel<Deterministic, T>
+             : p.bias != nullptr    ? sm90::RunBackwardKernel<Biased, T>
+                                    : sm90::RunBackwardKernel<Tr, T>;
+  if (cudaError_t e = run(p, ctas, stream); e != cudaSuccess) return e;
   return ConvertStagedDq<D, T>(launch, p, stream);
 }
 

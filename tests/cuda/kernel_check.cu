@@ -128,6 +128,7 @@ struct Case {
   bool deterministic = false;
   bool dlse = false;
   float qk_std = 1.f;
+  bool dbias = true;  // false: the bias is not differentiated (the backward gets no dbias)
   // Segment ids (0 documents: none): packed documents of random lengths (monotone ids), ids
   // drawn at random per position (seg_random: every tile's spans overlap), one id row for the
   // whole batch (seg_shared); seg_orphans: some query ids that no key has; seg_even: documents
@@ -789,7 +790,7 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   void* dq = Poisoned(P.q_elems * 2);
   void* dk = Poisoned(P.dkv_elems * 2);
   void* dv = Poisoned(P.dkv_elems * 2);
-  void* dbias = s.bias.present ? Poisoned(P.dbias_elems * 2) : nullptr;
+  void* dbias = s.bias.present && P.c.dbias ? Poisoned(P.dbias_elems * 2) : nullptr;
   float* sd = static_cast<float*>(Poisoned(P.B * s.num_heads * s.seqlen_q * 4));
   void* ws0 = Poisoned(P.q_elems * 4);
   const int64_t ws1_bytes = dmattn::cuda::BackwardWorkspaceBytes(s) - (order ? 0 : 1);
@@ -1486,6 +1487,20 @@ std::vector<Case> QuickCases() {
     c.mask = Op({1}, 1, false, true); v.push_back(c);
   }
   {
+    // biases on the warp-specialised Hopper backward (key lengths of whole 16-byte rows): a full
+    // one (its dbias stored from the dS tiles) beside a mask with empty rows and tiles; one
+    // broadcast over queries, batch and heads, not differentiated (one row of keys per block)
+    Case c; c.name = "quick_q333_k320_d128_mask_bias_gqa_causal"; c.batch = {2}; c.H = 4;
+    c.Hk = 2; c.Lq = 333; c.Lk = 320; c.D = 128; c.causal = true; c.mask = Op({2}, 2, true, true);
+    c.mask_holes = true; c.bias = Op({2}, 4, true, true); v.push_back(c);
+    c = Case(); c.name = "quick_q200_k264_d64_bias_1row_window_nodbias"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 200; c.Lk = 264; c.D = 64; c.window_left = 100; c.window_right = 30;
+    c.bias = Op({1}, 1, false, true); c.dbias = false; v.push_back(c);
+    c = Case(); c.name = "quick_q130_k256_d128_bias_bcast_nodbias"; c.batch = {2}; c.H = 4;
+    c.Hk = 4; c.Lq = 130; c.Lk = 256; c.D = 128; c.bias = Op({1}, 1, true, true);
+    c.dbias = false; v.push_back(c);
+  }
+  {
     // both block orders (as ordered_q1100_k4100_d128_mask_seqlens), on a 10 % block mask
     Case c; c.name = "quick_ordered_q1100_k4100_d128_mask"; c.H = 16; c.Hk = 4; c.Lq = 1100;
     c.Lk = 4100; c.D = 128; c.mask = Op({1}, 16, true, true); c.block_density = 0.1f;
@@ -2039,7 +2054,7 @@ int main(int argc, char** argv) {
         vq = Compare16(ov.dq, R.dq, P.dt);
         vk = Compare16(ov.dk, R.dk, P.dt);
         vv = Compare16(ov.dv, R.dv, P.dt);
-        if (P.s.bias.present) vb = Compare16(ov.dbias, R.dbias, P.dt);
+        if (P.s.bias.present && c.dbias) vb = Compare16(ov.dbias, R.dbias, P.dt);
       }
       const bool vnan = vo.nan || vl.nan || vq.nan || vk.nan || vv.nan || vb.nan;
       const bool vok = !vnan && vo.rel <= 1e-2 && vl.rel <= 5e-2 && vq.rel <= 2e-2 &&
@@ -2059,14 +2074,14 @@ int main(int argc, char** argv) {
     Err ek = Worse(Compare16(o.dk, R.dk, P.dt), Compare16(plain.dk, R.dk, P.dt));
     Err ev = Worse(Compare16(o.dv, R.dv, P.dt), Compare16(plain.dv, R.dv, P.dt));
     Err eb;
-    if (P.s.bias.present) {
+    if (P.s.bias.present && c.dbias) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
     }
     if (flash2_bwd) {
       eq = Worse(eq, Compare16(flash2.dq, R.dq, P.dt));
       ek = Worse(ek, Compare16(flash2.dk, R.dk, P.dt));
       ev = Worse(ev, Compare16(flash2.dv, R.dv, P.dt));
-      if (P.s.bias.present) eb = Worse(eb, Compare16(flash2.dbias, R.dbias, P.dt));
+      if (P.s.bias.present && c.dbias) eb = Worse(eb, Compare16(flash2.dbias, R.dbias, P.dt));
     }
     const bool nan = eo.nan || el.nan || eq.nan || ek.nan || ev.nan || eb.nan;
     const bool ok = !nan && zero_ok && det_ok && paged_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&

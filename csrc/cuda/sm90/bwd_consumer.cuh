@@ -3,7 +3,7 @@
 //
 //   S^T  = K Q^T,  dP^T = V dO^T       wgmma, both operands in shared memory (two groups)
 //   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window / the mask hide a pair
-//   dS^T = P^T (dP^T - D)              -> dS tile [key][query] in shared memory
+//   dS^T = P^T (dP^T - D)              -> dS tile [query][key] in shared memory (stmatrix .trans)
 //   dV  += P^T dO,  dK += dS^T Q       wgmma, P / dS from registers
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
@@ -25,7 +25,7 @@ struct BwdOperands {
   uint64_t k_rows, v_rows;  // A of S^T, dP^T: the warpgroup's 64 keys, K-major
   uint64_t q_kmajor, do_kmajor;  // B of S^T, dP^T
   uint64_t q_mnmajor, do_mnmajor;  // B of dK, dV (queries down the rows)
-  uint64_t ds_mnmajor;  // A of dQ: dS^T [key][query], queries along M
+  uint64_t ds_kmajor;   // A of dQ: dS [query][key], keys along K
   uint64_t k_cols;      // B of dQ: the warpgroup's dQ columns of K, keys down the rows
   __device__ __forceinline__ BwdOperands(uint32_t base, int wg) {
     const uint32_t rows = static_cast<uint32_t>(wg * Tr::kKeys * 128);
@@ -35,18 +35,19 @@ struct BwdOperands {
     do_kmajor = detail::gmma_desc(base + Tr::kOffdO, 0);
     q_mnmajor = detail::gmma_desc(base + Tr::kOffQ, Tr::BM * 128);
     do_mnmajor = detail::gmma_desc(base + Tr::kOffdO, Tr::BM * 128);
-    ds_mnmajor = detail::gmma_desc(base + Tr::kOffdS, Tr::BN * 128);
+    ds_kmajor = detail::gmma_desc(base + Tr::kOffdS, 0);
     k_cols = detail::gmma_desc(
         base + Tr::kOffK + detail::mnmajor_col(wg * Tr::kDqCols, Tr::BN), Tr::BN * 128);
   }
 };
 
-// acc = A B^T over the head dim (S^T or dP^T): A the warpgroup's keys, B the block's queries.
-template <typename Tr, typename T>
+// acc = A B^T over the head dim (S^T or dP^T): A the warpgroup's keys, B the block's queries
+// (kOverwrite false: acc += A B^T).
+template <typename Tr, typename T, bool kOverwrite = true>
 __device__ __forceinline__ void issue_scores_t(float (&acc)[Tr::BM / 2], uint64_t a, uint64_t b) {
   detail::wgmma_async(
       [&] {
-        detail::wgmma_issue<0, 0, Tr::D / 16, true>(
+        detail::wgmma_issue<0, 0, Tr::D / 16, kOverwrite>(
             acc, a, b, [](int ks) { return detail::kmajor_step(ks, Tr::BN); },
             [](int ks) { return detail::kmajor_step(ks, Tr::BM); }, T());
       },
@@ -69,9 +70,10 @@ __device__ __forceinline__ void issue_key_grad(float (&acc)[Tr::D / 2],
 template <typename Tr, typename T>
 __device__ __forceinline__ void issue_query_grad(float (&dq)[Tr::kDqCols / 2], uint64_t ds,
                                                  uint64_t k) {
-  auto step = [](int ks) { return detail::mnmajor_step(ks); };
+  auto ds_step = [](int ks) { return detail::kmajor_step(ks, Tr::BM); };
+  auto k_step = [](int ks) { return detail::mnmajor_step(ks); };
   detail::wgmma_async(
-      [&] { detail::wgmma_issue<1, 1, Tr::BN / 16, true>(dq, ds, k, step, step, T()); }, dq);
+      [&] { detail::wgmma_issue<0, 1, Tr::BN / 16, true>(dq, ds, k, ds_step, k_step, T()); }, dq);
 }
 
 // P^T = exp(S^T - lse) in place (0 where hidden); lse of the block's rows at `lse`.
@@ -107,6 +109,39 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const fl
     }
 }
 
+// S^T = bias^T * mul (the scores' units: the bias over the softmax scale), which the S^T GEMM
+// then accumulates into (holding no registers beside its accumulators). The block's bias tile
+// sits in its dS slot ([query][key] as dS, read back by ldmatrix .trans in the addressing of
+// store_score_grads: a warp reads only the keys it later overwrites with dS), or its one row of
+// keys in the slot's bias row.
+template <typename Tr, typename T>
+__device__ __forceinline__ void bias_scores_t(float (&s)[Tr::BM / 2], uint32_t tile, const T* row,
+                                           bool one_row, float mul, int key_local,
+                                           const ConsumerThread& th) {
+  using E = detail::Elem<T>;
+  if (one_row) {
+    const float b[2] = {E::to_float(row[key_local]) * mul, E::to_float(row[key_local + 8]) * mul};
+#pragma unroll
+    for (int i = 0; i < Tr::BM / 2; ++i) s[i] = b[(i % 4) / 2];
+    return;
+  }
+  const int block = th.lane / 8;
+  const int key = key_local - th.g + 8 * (block % 2);
+#pragma unroll
+  for (int kq = 0; kq < Tr::BM / 16; ++kq) {
+    uint32_t pairs[4];  // pairs[j]: keys + 8 (j % 2), queries 16 kq + 8 (j / 2) + 2 tq, + 1
+    const int query = 16 * kq + 8 * (block / 2) + th.lane % 8;
+    detail::ldsm_x4_t(pairs, tile + 2 * detail::SwizzledTile<Tr::BM, Tr::BN>::off(query, key));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 b = E::unpack(pairs[j]);
+      const int i = 4 * (2 * kq + j / 2) + 2 * (j % 2);
+      s[i] = b.x * mul;
+      s[i + 1] = b.y * mul;
+    }
+  }
+}
+
 // P^T = 0 where the block's mask bits (`tile`: BM rows of BN / 8 bytes, one row when the mask is
 // broadcast over queries) hide a pair. The thread's keys, key_local and key_local + 8, are bit g
 // of two consecutive bytes of a row.
@@ -139,20 +174,21 @@ __device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2],
   }
 }
 
-// The warpgroup's dS^T rows into the dS tile [key][query] (keys key_local, + 8).
+// The warpgroup's dS into the dS tile [query][key] (a SwizzledTile, keys in 64-column panels:
+// the dQ GEMM's K-major A and dbias's layout) by stmatrix .trans: ds[kq] holds the 8 x 8 blocks
+// (keys +0, +8) x (queries 16 kq, + 8) of the warp's 16 keys, and lane l addresses row l % 8 (a
+// query) of block l / 8.
 template <typename Tr>
-__device__ __forceinline__ void store_score_grads(uint8_t* tile,
+__device__ __forceinline__ void store_score_grads(uint32_t tile,
                                                   const uint32_t (&ds)[Tr::BM / 16][4],
                                                   int key_local, const ConsumerThread& th) {
-  uint16_t* out = reinterpret_cast<uint16_t*>(tile);
-  const SwizzledPairs<Tr::BN> rows[2] = {SwizzledPairs<Tr::BN>(key_local, th.tq),
-                                         SwizzledPairs<Tr::BN>(key_local + 8, th.tq)};
+  const int block = th.lane / 8;
+  const int key = key_local - th.g + 8 * (block % 2);
 #pragma unroll
-  for (int t = 0; t < Tr::BM / 8; ++t)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      *reinterpret_cast<uint32_t*>(out + rows[h](t)) = ds[t / 2][(t % 2) * 2 + h];
-    }
+  for (int kq = 0; kq < Tr::BM / 16; ++kq) {
+    const int query = 16 * kq + 8 * (block / 2) + th.lane % 8;
+    detail::stsm_x4_t(tile + 2 * detail::SwizzledTile<Tr::BM, Tr::BN>::off(query, key), ds[kq]);
+  }
 }
 
 // The warpgroup's dQ columns into the dQ stage (StagedDq's layout, rows 16 warp + g, + 8). The
@@ -202,8 +238,15 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     float s[Tr::BM / 2], dp[Tr::BM / 2];
 
     // ---- GEMM: S^T = K Q^T, dP^T = V dO^T ---------------------------------------------------
+    const uint32_t ds_tile = detail::smem_u32(smem) + Tr::kOffdS + slot * Tr::kDsBytes;
     mbar_wait(bar.q_full(slot), ring.parity);
-    issue_scores_t<Tr, T>(s, ops.k_rows, detail::gmma_advance(ops.q_kmajor, q_off));
+    if constexpr (Tr::kBias) {
+      bias_scores_t<Tr, T>(s, ds_tile,
+                           reinterpret_cast<const T*>(smem + Tr::kOffBiasRow +
+                                                      slot * Tr::kBiasRowBytes),
+                           P.bias_tiles.one_row, p.bias_mul, key_local, th);
+    }
+    issue_scores_t<Tr, T, !Tr::kBias>(s, ops.k_rows, detail::gmma_advance(ops.q_kmajor, q_off));
     mbar_wait(bar.do_full(slot), ring.parity);
     issue_scores_t<Tr, T>(dp, ops.v_rows, detail::gmma_advance(ops.do_kmajor, q_off));
     const QueuedRows next = blocks.next();  // while the GEMMs run: its pop waits on shared memory
@@ -223,14 +266,14 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     uint32_t pf[Tr::BM / 16][4], dsf[Tr::BM / 16][4];
     pack_probabilities<T>(pf, s);
     pack_probabilities<T>(dsf, dp);
-    store_score_grads<Tr>(smem + Tr::kOffdS + slot * Tr::kDsBytes, dsf, key_local, th);
+    store_score_grads<Tr>(ds_tile, dsf, key_local, th);
 
     // ---- GEMMs: dV += P^T dO; dQ = dS K (both warpgroups' dS stored); dK += dS^T Q ---------
     issue_key_grad<Tr, T>(dv, pf, detail::gmma_advance(ops.do_mnmajor, q_off));
     detail::fence_async_shared();
     named_sync(kBwdDsReadyBarrier, kConsumerThreads);
     float dq[Tr::kDqCols / 2];
-    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_mnmajor, slot * Tr::kDsBytes),
+    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_kmajor, slot * Tr::kDsBytes),
                             ops.k_cols);
     issue_key_grad<Tr, T>(dk, dsf, detail::gmma_advance(ops.q_mnmajor, q_off));
 

@@ -9,9 +9,9 @@
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
-// Calls with lengths, causality or a window, GQA / MQA, dk / dv classes and a mask (not with
-// the deterministic mode), deterministic or not; no bias, index masks, window tables or softcap
-// (sm90/bwd_launch.cuh: Takes).
+// Calls with lengths, causality or a window, GQA / MQA, dk / dv classes, a mask and a bias (not
+// with the deterministic mode; dbias only full-size), deterministic or not; no index masks,
+// window tables or softcap (sm90/bwd_launch.cuh: Takes).
 #pragma once
 
 #include "cuda/sm90/bwd_epilogue.cuh"
@@ -24,11 +24,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if defined(DMATTN_WGMMA)
   extern __shared__ __align__(1024) uint8_t smem[];
   const BwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
+  // A Q slot's releases: every consumer warp, and the dQ warp where it stores a full-size dbias
+  // from the block's dS slot.
+  const int q_releases = Tr::kReleaseArrivals + (Tr::kBias && P.p.dbias_mode == kDbiasDirect);
   if (threadIdx.x == 0) {
     mbar_init(bar.kv_full(), 1);
     for (int slot = 0; slot < Tr::kStages; ++slot) {
       mbar_init(bar.q_full(slot), 1);
-      mbar_init(bar.q_empty(slot), Tr::kReleaseArrivals);
+      mbar_init(bar.q_empty(slot), q_releases);
       mbar_init(bar.do_full(slot), 1);
       mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
     }
@@ -48,7 +51,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (warp == 0) {
       load<Tr>(P, smem, bar, queue, w);
     } else if (warp <= Tr::kDqStages) {
-      reduce_dq<Tr>(P, smem, queue, w, warp - 1);
+      reduce_dq<Tr>(P, smem, bar, queue, w, warp - 1);
     } else if (warp == 3) {
       schedule<Tr>(P.p, w, queue);
     }

@@ -20,9 +20,9 @@ namespace dmattn::cuda::sm90 {
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
 // True when the kernel takes the call: dense attention with lengths, causality or a window,
-// GQA / MQA, a mask (no bias, index masks, window table or softcap), dQ through the accumulator
-// (deterministic calls: in turns, with the flags of the workspace), operands TMA can address.
-// The FlashAttention-2-class backward runs the rest.
+// GQA / MQA, a mask and a bias (no index masks, window table or softcap), dQ through the
+// accumulator (deterministic calls: in turns, with the flags of the workspace), operands TMA can
+// address. The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
   const BwdParams& p = l.p;
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
@@ -31,8 +31,15 @@ inline bool Takes(const BwdLaunch& l) {
   // A mask as the forward reads it (its bits by rows, not broadcast over keys), beside one dQ
   // stage (BwdTraitsSm90::kMasks).
   const bool mask_ok = p.mask == nullptr || (p.s.mask.col_stride == 1 && p.compute_dq);
-  return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok &&
-         p.bias == nullptr && p.dbias_mode == kDbiasNone && IndexKindOf(p) == kNoIndex &&
+  // A bias as the forward reads it (16-byte rows, or one row broadcast over queries), beside one
+  // dQ stage; its dbias none, or full-size in 16-byte rows without lengths (stored from the dS
+  // tiles: dbias_staged).
+  const bool dbias_ok = p.dbias_mode == kDbiasNone ||
+                        (p.dbias_mode == kDbiasDirect && p.dbias_staged && aligned(p.dbias));
+  const bool bias_ok = p.bias == nullptr || (p.s.bias.col_stride == 1 && p.s.seqlen_k % 8 == 0 &&
+                                             aligned(p.bias) && p.compute_dq && dbias_ok);
+  return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
+         (p.bias != nullptr || p.dbias_mode == kDbiasNone) && IndexKindOf(p) == kNoIndex &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&
@@ -69,6 +76,12 @@ cudaError_t RunBackwardKernel(const BwdParams& p, int64_t ctas, cudaStream_t str
   if (e == cudaSuccess) e = EncodeVectorMap(&P.dsum_tma, p.softmax_d, rows, Tr::kRowBox);
   if (e == cudaSuccess && p.mask != nullptr) {
     e = EncodeMaskBitsMap(&P.mask_tma, &P.mask_tiles, s, p.mask_map.bits, Tr::BM, Tr::BN);
+  }
+  if (e == cudaSuccess && p.bias != nullptr) {
+    e = EncodeBiasMap(&P.bias_tma, &P.bias_tiles, s, s.bias, p.bias, Tr::BM, Tr::BN);
+  }
+  if (e == cudaSuccess && p.dbias_mode == kDbiasDirect) {
+    e = EncodeBiasMap(&P.dbias_tma, &P.dbias_tiles, s, p.dbias_op, p.dbias, Tr::BM, Tr::BN);
   }
   if (e != cudaSuccess) return e;
   auto kernel = bwd_kernel<Tr, T>;

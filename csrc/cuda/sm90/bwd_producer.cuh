@@ -1,11 +1,12 @@
 // Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by
-// TMA once, then per queued query block Q with its lse rows (and mask bits) and dO with its D
-// rows by TMA into the next ring slot, each slot once the consumers have released it (lse and D
-// are read as flat vectors: a block's rows start anywhere, its box on the 16-byte boundary below;
-// the consumers mask the rows past its length). Warp 1 (warps 1 and 2 in turn, deterministic):
-// each block's dQ stage, once both consumers have written it, added to the fp32 accumulator with
-// one bulk reduction (in turn with the other key blocks in a deterministic call), then handed
-// back. Warp 3 walks the blocks and queues them (schedule, bwd_scheduler.cuh).
+// TMA once, then per queued query block Q with its lse rows (and mask bits; its bias tile, in its
+// dS slot) and dO with its D rows by TMA into the next ring slot, each slot once the
+// consumers have released it (lse and D are read as flat vectors: a block's rows start anywhere,
+// its box on the 16-byte boundary below; the consumers mask the rows past its length). Warp 1
+// (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both consumers have
+// written it, added to the fp32 accumulator with one bulk reduction (in turn with the other key
+// blocks in a deterministic call), then handed back. Warp 3 walks the blocks and queues them
+// (schedule, bwd_scheduler.cuh).
 #pragma once
 
 #include "cuda/sm90/bwd_scheduler.cuh"
@@ -28,6 +29,7 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
     tma_prefetch_descriptor(&P.lse_tma);
     tma_prefetch_descriptor(&P.dsum_tma);
     if (p.mask != nullptr) tma_prefetch_descriptor(&P.mask_tma);
+    if (Tr::kBias) tma_prefetch_descriptor(&P.bias_tma);
     mbar_arrive_expect_tx(bar.kv_full(), 2 * Tr::kKVBytes);
 #pragma unroll
     for (int panel = 0; panel < Tr::kPanels; ++panel) {
@@ -40,6 +42,24 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
   float* lse_slots = reinterpret_cast<float*>(smem + Tr::kOffLse);
   float* dsum_slots = reinterpret_cast<float*>(smem + Tr::kOffDsum);
   const uint32_t mask_rows = P.mask_tiles.one_row ? 1 : BM;
+  const uint32_t bias_bytes = Tr::kBias ? (P.bias_tiles.one_row ? 1 : BM) * BN * 2 : 0;
+
+  // The block's bias tile into ring slot `slot`'s dS slot (64-column panels), or its row of keys
+  // into the slot's bias row when the bias is broadcast over queries, completing `full`.
+  auto load_bias = [&](int slot, uint64_t* full, const QueuedBlock& blk) {
+    const int hc = P.bias_tiles.head_coord(s.bias, blk.h);
+    const int bc = P.bias_tiles.batch_coord(s.bias, s.batch, blk.b);
+    if (P.bias_tiles.one_row) {
+      tma_load(smem + Tr::kOffBiasRow + slot * Tr::kBiasRowBytes, &P.bias_tma, full, w.n0, 0, hc,
+               bc);
+      return;
+    }
+    uint8_t* dst = smem + Tr::kOffdS + slot * Tr::kDsBytes;
+#pragma unroll
+    for (int panel = 0; panel < BN / 64; ++panel) {
+      tma_load(dst + panel * BM * 128, &P.bias_tma, full, w.n0 + panel * 64, blk.m0, hc, bc);
+    }
+  };
 
   // A Q or dO tile of the block at `offset` and its rows of a per-row vector (lse or D) at
   // `rows`, completing `full` (with `extra_bytes` more that the caller loads).
@@ -61,7 +81,8 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
     const uint32_t mask_bytes = blk.flags & kBlockMasked ? mask_rows * (BN / 8) : 0;
     mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
-              &P.lse_tma, bar.q_full(slot), blk, mask_bytes);
+              &P.lse_tma, bar.q_full(slot), blk, mask_bytes + bias_bytes);
+    if (leader && Tr::kBias) load_bias(slot, bar.q_full(slot), blk);
     if (leader && mask_bytes > 0) {  // the block's mask bits, with Q
       tma_load(smem + Tr::kOffMask + slot * Tr::kMaskBytes, &P.mask_tma, bar.q_full(slot),
                w.n0 / 8, P.mask_tiles.one_row ? 0 : blk.m0,
@@ -75,19 +96,36 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
   });
 }
 
+// The block's dS tile (tile: its dS slot) into a full-size dbias, two 64-column boxes.
+template <typename Tr>
+__device__ __forceinline__ void store_dbias(const BwdParamsSm90& P, const uint8_t* tile,
+                                            const QueuedBlock& blk, const BwdCtaWork& w) {
+  const AttentionShape& s = P.p.s;
+  const int hc = P.dbias_tiles.head_coord(P.p.dbias_op, blk.h);
+  const int bc = P.dbias_tiles.batch_coord(P.p.dbias_op, s.batch, blk.b);
+#pragma unroll
+  for (int panel = 0; panel < Tr::BN / 64; ++panel) {
+    tma_store(&P.dbias_tma, tile + panel * Tr::BM * 128, w.n0 + panel * 64, blk.m0, hc, bc);
+  }
+}
+
 // A dQ warp: one bulk reduction per query block from its stage, which the consumers fill with
 // every kDqStages-th block's dQ (from the `stage`-th). In a deterministic call it first waits for
 // the next key block's reduction into the same rows, and passes the turn on once its own has
 // landed (after handing the stage back).
 template <typename Tr>
 __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t* smem,
-                                          const BlockQueue<Tr>& queue, const BwdCtaWork& w,
-                                          int stage) {
+                                          const BwdBarriers<Tr>& bar, const BlockQueue<Tr>& queue,
+                                          const BwdCtaWork& w, int stage) {
   const BwdParams& p = P.p;
   const bool leader = (threadIdx.x & 31) == 0;
   const float* dq = reinterpret_cast<const float*>(smem + Tr::kOffDq + stage * Tr::kDqBytes);
   int32_t* landed = nullptr;  // the flag of the last reduction, until its turn is passed on
   const int32_t added = w.cta.n_block + 1;  // a flag's value once this key block has added
+  // A full-size dbias is the block's dS tile as the consumers stored it (one dQ stage: this warp
+  // sees every block); its Q slot waits for this warp too.
+  const bool stores_dbias = Tr::kBias && p.dbias_mode == kDbiasDirect;
+  RingPos<Tr::kStages> ring;
   QueueReader<Tr, QueuedBlock> blocks{queue};
   int skip = stage;  // the other stages' blocks before this stage's next
   auto next_block = [&] {
@@ -113,10 +151,13 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
       float* dst = p.dq_accum + (StagedDq::row(p.s, blk.b, blk.h) + blk.m0) * Tr::D;
       const int rows = min(Tr::BM, blk.lens.q_len - blk.m0);
       detail::bulk_reduce_add(dst, dq, rows * Tr::D * 4);
+      if (stores_dbias) store_dbias<Tr>(P, smem + Tr::kOffdS + ring.slot * Tr::kDsBytes, blk, w);
       detail::bulk_commit();
       detail::bulk_wait_read();
+      if (stores_dbias) mbar_arrive(bar.q_empty(ring.slot));  // the dS slot read
     }
     __syncwarp();
+    ring.advance();
     blk = next;
   }
   if (leader && landed != nullptr) pass_turn(landed, added);

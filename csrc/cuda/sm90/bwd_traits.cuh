@@ -32,6 +32,9 @@ struct BwdParamsSm90 {
   CUtensorMap dsum_tma;
   CUtensorMap mask_tma;  // the mask's bits (as the forward's)
   OperandTiles mask_tiles;
+  CUtensorMap bias_tma;   // the bias (as the forward's), loaded into the block's dS slot
+  CUtensorMap dbias_tma;  // a full-size dbias, stored from the dS slot
+  OperandTiles bias_tiles, dbias_tiles;
   // Deterministic calls: the (kv head, class) slots whose CTAs interleave (deterministic_cta).
   int chain_slots;
 };
@@ -62,17 +65,19 @@ constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 
 // kDqStages_: dQ stages, each reduced by a dQ warp of its own (warps 1, 2), the blocks taking
 // them in turn. Deterministic calls take two, so that their turns (round trips through L2)
-// overlap; the others one (a second stage made them 1-2 % slower on an H100).
-template <int D_, int kDqStages_ = 1>
+// overlap; the others one (a second stage made them 1-2 % slower on an H100). kBias_: the call
+// has a bias (without, none of its code takes registers from the consumers).
+template <int D_, int kDqStages_ = 1, bool kBias_ = false>
 struct BwdTraitsSm90 {
   static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;  // Q / dO ring slots
   static constexpr int kDqStages = kDqStages_;
+  static constexpr bool kBias = kBias_;
   // 56 + 2 x 224 registers of the launch's 3 x 168: the producer warpgroup's scheduler and
   // loader spilled at 24 (local traffic beside the consumers' shared memory: D64 backward 6 %
   // slower at 24, 4 % at 40 than at 56 on an H100), and the consumers fit 224 (at D128 with a
-  // few spills, D64 none).
+  // few spills, D64 none; with a bias too, which initialises S^T rather than being added to it).
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * 168,
                 "register budgets within the CTA's launch allocation");
@@ -86,7 +91,9 @@ struct BwdTraitsSm90 {
 
   static constexpr uint32_t kKVBytes = BN * D * 2;
   static constexpr uint32_t kQBytes = BM * D * 2;
-  static constexpr uint32_t kDsBytes = BN * BM * 2;  // dS^T: [key][query], one 64-column panel
+  // dS: [query][key], two 64-column panels; a block's bias tile (its TMA box, the same layout)
+  // waits in its dS slot until P is computed.
+  static constexpr uint32_t kDsBytes = BN * BM * 2;
   static constexpr uint32_t kDqBytes = BM * D * 4;   // fp32, StagedDq's layout
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
@@ -106,11 +113,16 @@ struct BwdTraitsSm90 {
   // calls (two dQ stages) have no room for them at D = 128: with a mask they run the
   // FlashAttention-2-class backward (Takes).
   static constexpr bool kMasks = kDqStages == 1;
+  static_assert(!kBias || kDqStages == 1, "a bias beside one dQ stage (Takes)");
   static constexpr uint32_t kMaskBytes = BM * BN / 8;
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
   // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.
   static constexpr int kQueueSlots = 8;
-  static constexpr uint32_t kOffQueue = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
+  // A bias broadcast over queries: its row of keys per ring slot (not in the dS slot, whose
+  // first rows the consumers overwrite while others still read the bias).
+  static constexpr uint32_t kBiasRowBytes = BN * 2;
+  static constexpr uint32_t kOffBiasRow = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
+  static constexpr uint32_t kOffQueue = kOffBiasRow + (kBias ? kStages * kBiasRowBytes : 0);
   static constexpr uint32_t kOffBarriers = kOffQueue + kQueueSlots * sizeof(QueuedBlock);
   // kv_full, then q_full, q_empty, do_full, do_empty per slot, then the queue's full, empty
   static constexpr int kBarriers = 1 + 4 * kStages + 2 * kQueueSlots;
@@ -123,7 +135,8 @@ struct BwdTraitsSm90 {
                 "dQ warps");
   static_assert(kRowBox <= kRowSlot && kOffLse % 128 == 0 && (kRowSlot * 4) % 128 == 0,
                 "TMA destinations of the rows");
-  static_assert(kOffMask % 128 == 0 && kMaskBytes % 128 == 0, "TMA destinations of the masks");
+  static_assert(kOffMask % 128 == 0 && kMaskBytes % 128 == 0 && kBiasRowBytes % 128 == 0,
+                "TMA destinations of the masks and bias rows");
   static_assert((kQueueSlots * sizeof(QueuedBlock)) % 8 == 0 && sizeof(QueuedRows) == 16,
                 "the queue keeps the barriers 8-byte aligned; the consumers' part, one load");
 

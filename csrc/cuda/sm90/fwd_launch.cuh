@@ -60,6 +60,19 @@ inline cudaError_t EncodeMaskBitsMap(CUtensorMap* map, OperandTiles* tiles,
                           o.tiles.one_row ? 1 : box_rows, false);
 }
 
+// A bias `op` (or a dbias) at `base` in boxes of box_rows x 64 keys in the 128-byte
+// swizzle (SwizzledTile's 64-column panels), or of one row of box_cols keys when the bias is
+// broadcast over queries; *tiles: where a kernel finds a tile's boxes.
+inline cudaError_t EncodeBiasMap(CUtensorMap* map, OperandTiles* tiles, const AttentionShape& s,
+                                 const BroadcastOperand& op, const void* base, int box_rows,
+                                 int box_cols) {
+  const OperandShape o = OperandShapeOf(s, op);
+  *tiles = o.tiles;
+  return EncodeOperandMap(map, base, 2, s.dtype, o.batch_entries, o.head_entries, o.rows, o.cols,
+                          o.cols * 2, o.tiles.one_row ? box_cols : 64,
+                          o.tiles.one_row ? 1 : box_rows, !o.tiles.one_row);
+}
+
 // Distinct batch entries of k / v (1 when broadcast over every batch dim).
 inline int64_t KvEntries(const AttentionShape& s) {
   const int64_t entry = s.seqlen_k * s.num_kv_heads * s.head_dim;
@@ -117,11 +130,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
     e = EncodeRowMajorMap(&P.o_tma, params.out, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D, 64);
   }
   if (e == cudaSuccess && params.bias != nullptr) {
-    const OperandShape o = OperandShapeOf(s, s.bias);
-    P.bias_tiles = o.tiles;
-    e = EncodeOperandMap(&P.bias_tma, params.bias, 2, s.dtype, o.batch_entries, o.head_entries,
-                         o.rows, o.cols, o.cols * 2, o.tiles.one_row ? Tr::BN : 64,
-                         o.tiles.one_row ? 1 : Tr::BM, !o.tiles.one_row);
+    e = EncodeBiasMap(&P.bias_tma, &P.bias_tiles, s, s.bias, params.bias, Tr::BM, Tr::BN);
   }
   if (e == cudaSuccess && params.mask != nullptr) {
     e = EncodeMaskBitsMap(&P.mask_tma, &P.mask_tiles, s, params.mask_map.bits, Tr::BM, Tr::BN);
