@@ -118,8 +118,8 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
   // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.
   static constexpr int kQueueSlots = 8;
-  // A bias broadcast over queries: its row of keys per ring slot (not in the dS slot, whose
-  // first rows the consumers overwrite while others still read the bias).
+  // A bias broadcast over queries: its row of keys per ring slot (one unswizzled box of BN keys,
+  // read by every query row of the block).
   static constexpr uint32_t kBiasRowBytes = BN * 2;
   static constexpr uint32_t kOffBiasRow = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
   static constexpr uint32_t kOffQueue = kOffBiasRow + (kBias ? kStages * kBiasRowBytes : 0);
