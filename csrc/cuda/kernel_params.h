@@ -204,7 +204,8 @@ struct BwdParams {
   // Direct full-size dbias whose rows and key blocks split into 16-byte chunks: the main kernel
   // stores whole tiles of it from shared memory.
   bool dbias_staged;
-  // Bias addressing for dbias (strides of the dbias operand; equal to the bias's).
+  // Addressing of the dbias operand (its own strides: a bias broadcast over batch dims may have
+  // a full-size dbias, the vmap layout).
   BroadcastOperand dbias_op;
 
   float bias_mul;     // as in FwdParams

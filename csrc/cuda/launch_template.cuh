@@ -337,6 +337,22 @@ cudaError_t RunBackwardPreprocess(const BwdLaunch& launch, BwdParams& p, cudaStr
   return cudaGetLastError();
 }
 
+// A direct full-size dbias (the main kernel's grid of `ctas` CTAs of BM x BN tiles stores its
+// tiles): zeros where no CTA stores one (p.dbias_fill: the band's and the mask's skipped tiles),
+// or all of it first.
+template <int BM, int BN, typename T>
+cudaError_t ZeroDirectDbias(const BwdLaunch& launch, const BwdParams& p, int64_t ctas,
+                            cudaStream_t stream) {
+  if (p.dbias_fill) {
+    bwd_zero_dbias<BM, BN, T><<<static_cast<unsigned>(ctas), kZeroThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (p.dbias_mode == kDbiasDirect) {
+    return cudaMemsetAsync(p.dbias, 0, launch.dbias_elems * sizeof(T), stream);
+  }
+  return cudaSuccess;
+}
+
 // dq = scale * the StagedDq accumulator.
 template <int D, typename T>
 cudaError_t ConvertStagedDq(const BwdLaunch& launch, const BwdParams& p, cudaStream_t stream) {
@@ -368,16 +384,11 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
       return e;
     }
   }
-  if (p.dbias_fill) {
-    bwd_zero_dbias<Tr::BM, Tr::BN, T>
-        <<<static_cast<unsigned>(blocks), kZeroThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  } else if (p.dbias_mode == kDbiasDirect) {
-    if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, launch.dbias_elems * sizeof(T), stream);
-        e != cudaSuccess) {
-      return e;
-    }
-  } else if (p.dbias_mode == kDbiasAtomic) {
+  if (cudaError_t e = ZeroDirectDbias<Tr::BM, Tr::BN, T>(launch, p, blocks, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (p.dbias_mode == kDbiasAtomic) {
     if (cudaError_t e =
             cudaMemsetAsync(p.dbias_accum, 0, launch.dbias_elems * sizeof(float), stream);
         e != cudaSuccess) {
@@ -479,16 +490,9 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   }
   p.n_blocks = static_cast<int>((s.seqlen_k + Tr::BN - 1) / Tr::BN);
   const int64_t ctas = BackwardCtas(launch, Tr::BN);
-  // A full-size dbias: zeros where the kernel stores no tile (the band's and the mask's skipped
-  // tiles), or all of it first.
-  if (p.dbias_fill) {
-    bwd_zero_dbias<Tr::BM, Tr::BN, T><<<static_cast<unsigned>(ctas), kZeroThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  } else if (p.dbias_mode == kDbiasDirect) {
-    if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, launch.dbias_elems * sizeof(T), stream);
-        e != cudaSuccess) {
-      return e;
-    }
+  if (cudaError_t e = ZeroDirectDbias<Tr::BM, Tr::BN, T>(launch, p, ctas, stream);
+      e != cudaSuccess) {
+    return e;
   }
   // A mask's heaviest key blocks first (deterministic calls keep their own order).
   if (p.dq_turns != nullptr) {

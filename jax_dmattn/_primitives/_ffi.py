@@ -380,8 +380,9 @@ def cuda_set_backward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default: on a Hopper GPU the warp-specialised
     backward where it takes the call, i.e. head dims 64 and 128 without index masks, window
     table or softcap, with a mask or a bias only when not deterministic, and a dbias only when it
-    is full-size) or ``"flash2"`` (the FlashAttention-2-class backward for every call), for the
-    whole process, like :func:`cuda_set_forward_kernel` (call ``jax.clear_caches()`` too)."""
+    is full-size without sequence lengths) or ``"flash2"`` (the FlashAttention-2-class backward
+    for every call), for the whole process, like :func:`cuda_set_forward_kernel` (call
+    ``jax.clear_caches()`` too)."""
     _extension().cuda_set_backward_kernel(name)
 
 

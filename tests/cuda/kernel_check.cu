@@ -1489,7 +1489,8 @@ std::vector<Case> QuickCases() {
   {
     // biases on the warp-specialised Hopper backward (key lengths of whole 16-byte rows): a full
     // one (its dbias stored from the dS tiles) beside a mask with empty rows and tiles; one
-    // broadcast over queries, batch and heads, not differentiated (one row of keys per block)
+    // broadcast over queries, batch and heads, not differentiated (one row of keys per block);
+    // one broadcast over batch and heads, not differentiated (tiles of one entry)
     Case c; c.name = "quick_q333_k320_d128_mask_bias_gqa_causal"; c.batch = {2}; c.H = 4;
     c.Hk = 2; c.Lq = 333; c.Lk = 320; c.D = 128; c.causal = true; c.mask = Op({2}, 2, true, true);
     c.mask_holes = true; c.bias = Op({2}, 4, true, true); v.push_back(c);

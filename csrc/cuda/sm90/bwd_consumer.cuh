@@ -8,7 +8,8 @@
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
-// Q and dO leave the ring as soon as the GEMMs reading them are done. The accumulator layout is
+// Q and dO leave the ring as soon as the GEMMs reading them are done (Q's slot, with a dbias,
+// once the dQ warp has also stored the block's dS from the dS slot that goes with it). The accumulator layout is
 // that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
 // 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
 #pragma once
@@ -109,11 +110,23 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Tr::BM / 2], const fl
     }
 }
 
+// The address that lane l gives ldmatrix / stmatrix .trans for the 8 x 8 blocks (keys + 0, + 8)
+// x (queries 16 kq, + 8) of the warp's 16 keys in the dS tile [query][key] (a SwizzledTile, keys
+// in 64-column panels): row l % 8 (a query) of block l / 8. A warp reads its bias and writes its
+// dS only there.
+template <typename Tr>
+__device__ __forceinline__ uint32_t ds_blocks(uint32_t tile, int kq, int key_local,
+                                              const ConsumerThread& th) {
+  const int block = th.lane / 8;
+  const int key = key_local - th.g + 8 * (block % 2);
+  const int query = 16 * kq + 8 * (block / 2) + th.lane % 8;
+  return tile + 2 * detail::SwizzledTile<Tr::BM, Tr::BN>::off(query, key);
+}
+
 // S^T = bias^T * mul (the scores' units: the bias over the softmax scale), which the S^T GEMM
 // then accumulates into (holding no registers beside its accumulators). The block's bias tile
-// sits in its dS slot ([query][key] as dS, read back by ldmatrix .trans in the addressing of
-// store_score_grads: a warp reads only the keys it later overwrites with dS), or its one row of
-// keys in the slot's bias row.
+// sits in its dS slot ([query][key] as dS, read by ldmatrix .trans at ds_blocks: a warp reads
+// only the keys it later overwrites with dS), or its one row of keys in the slot's bias row.
 template <typename Tr, typename T>
 __device__ __forceinline__ void bias_scores_t(float (&s)[Tr::BM / 2], uint32_t tile, const T* row,
                                            bool one_row, float mul, int key_local,
@@ -125,19 +138,15 @@ __device__ __forceinline__ void bias_scores_t(float (&s)[Tr::BM / 2], uint32_t t
     for (int i = 0; i < Tr::BM / 2; ++i) s[i] = b[(i % 4) / 2];
     return;
   }
-  const int block = th.lane / 8;
-  const int key = key_local - th.g + 8 * (block % 2);
 #pragma unroll
   for (int kq = 0; kq < Tr::BM / 16; ++kq) {
     uint32_t pairs[4];  // pairs[j]: keys + 8 (j % 2), queries 16 kq + 8 (j / 2) + 2 tq, + 1
-    const int query = 16 * kq + 8 * (block / 2) + th.lane % 8;
-    detail::ldsm_x4_t(pairs, tile + 2 * detail::SwizzledTile<Tr::BM, Tr::BN>::off(query, key));
+    detail::ldsm_x4_t(pairs, ds_blocks<Tr>(tile, kq, key_local, th));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 b = E::unpack(pairs[j]);
-      const int i = 4 * (2 * kq + j / 2) + 2 * (j % 2);
-      s[i] = b.x * mul;
-      s[i + 1] = b.y * mul;
+      s[8 * kq + 2 * j] = b.x * mul;
+      s[8 * kq + 2 * j + 1] = b.y * mul;
     }
   }
 }
@@ -174,20 +183,15 @@ __device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2],
   }
 }
 
-// The warpgroup's dS into the dS tile [query][key] (a SwizzledTile, keys in 64-column panels:
-// the dQ GEMM's K-major A and dbias's layout) by stmatrix .trans: ds[kq] holds the 8 x 8 blocks
-// (keys +0, +8) x (queries 16 kq, + 8) of the warp's 16 keys, and lane l addresses row l % 8 (a
-// query) of block l / 8.
+// The warpgroup's dS into the dS tile [query][key] (the dQ GEMM's K-major A and dbias's layout)
+// by stmatrix .trans: ds[kq] holds the blocks of ds_blocks(kq).
 template <typename Tr>
 __device__ __forceinline__ void store_score_grads(uint32_t tile,
                                                   const uint32_t (&ds)[Tr::BM / 16][4],
                                                   int key_local, const ConsumerThread& th) {
-  const int block = th.lane / 8;
-  const int key = key_local - th.g + 8 * (block % 2);
 #pragma unroll
   for (int kq = 0; kq < Tr::BM / 16; ++kq) {
-    const int query = 16 * kq + 8 * (block / 2) + th.lane % 8;
-    detail::stsm_x4_t(tile + 2 * detail::SwizzledTile<Tr::BM, Tr::BN>::off(query, key), ds[kq]);
+    detail::stsm_x4_t(ds_blocks<Tr>(tile, kq, key_local, th), ds[kq]);
   }
 }
 

@@ -31,15 +31,15 @@ inline bool Takes(const BwdLaunch& l) {
   // A mask as the forward reads it (its bits by rows, not broadcast over keys), beside one dQ
   // stage (BwdTraitsSm90::kMasks).
   const bool mask_ok = p.mask == nullptr || (p.s.mask.col_stride == 1 && p.compute_dq);
-  // A bias as the forward reads it (16-byte rows, or one row broadcast over queries), beside one
-  // dQ stage; its dbias none, or full-size in 16-byte rows without lengths (stored from the dS
-  // tiles: dbias_staged).
-  const bool dbias_ok = p.dbias_mode == kDbiasNone ||
-                        (p.dbias_mode == kDbiasDirect && p.dbias_staged && aligned(p.dbias));
+  // A bias as the forward reads it (rows of whole 16-byte chunks: Lk % 8 == 0; a tile, or one
+  // row when it is broadcast over queries), beside one dQ stage; its dbias none, or full-size in
+  // 16-byte rows without lengths (stored from the dS tiles: dbias_staged).
+  const bool dbias_ok =
+      p.dbias_mode == kDbiasNone || (p.dbias_mode == kDbiasDirect && p.dbias_staged);
   const bool bias_ok = p.bias == nullptr || (p.s.bias.col_stride == 1 && p.s.seqlen_k % 8 == 0 &&
                                              aligned(p.bias) && p.compute_dq && dbias_ok);
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
-         (p.bias != nullptr || p.dbias_mode == kDbiasNone) && IndexKindOf(p) == kNoIndex &&
+         IndexKindOf(p) == kNoIndex &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&

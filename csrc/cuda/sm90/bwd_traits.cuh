@@ -3,12 +3,13 @@
 //
 // A CTA owns one block of BN = 128 keys of one kv head (and dk / dv class) and walks the query
 // blocks of BM = 64 rows that see it. Warpgroup 0 is the producer: warp 0 TMA-loads K and V once
-// and Q, dO (with their lse and D rows) of each query block into a two-slot ring; warp 1 (warps 1
-// and 2 in turn, deterministic) adds each block's dQ stage to the fp32 accumulator with one bulk
-// reduction. Warpgroups 1 and 2 are the consumers, 64 keys each: S^T, dP^T, dV and dK of their
-// keys, and dQ of half the head dim over all 128 keys (the two warpgroups exchange dS through
-// shared memory). Every 16-bit tile is stored as 64-column panels of 128-byte rows in the
-// hardware's 128-byte swizzle.
+// and Q, dO (with their lse and D rows, mask bits and bias tile) of each query block into a
+// two-slot ring; warp 1 (warps 1 and 2 in turn, deterministic) adds each block's dQ stage to the
+// fp32 accumulator with one bulk reduction (and stores a full-size dbias from the dS tile).
+// Warpgroups 1 and 2 are the consumers, 64 keys each: S^T, dP^T, dV and dK of their keys, and dQ
+// of half the head dim over all 128 keys (the two warpgroups exchange dS through shared memory).
+// Every 16-bit tile is stored as 64-column panels of 128-byte rows in the hardware's 128-byte
+// swizzle (a bias row broadcast over queries, plain).
 #pragma once
 
 #include <cuda.h>
@@ -99,9 +100,10 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;        // kStages slots
   static constexpr uint32_t kOffdO = kOffQ + kStages * kQBytes;
-  // dS^T has a slot per ring slot: one warpgroup may store the next block's while the other's dQ
+  // dS has a slot per ring slot: one warpgroup may store the next block's while the other's dQ
   // GEMM still reads this one's (each waits for its own dQ GEMM before the next block's
-  // barrier, so two slots suffice).
+  // barrier, so two slots suffice). A block's bias tile arrives in its dS slot with Q, after
+  // q_empty (so after the dbias store of the slot's last block too).
   static constexpr uint32_t kOffdS = kOffdO + kStages * kQBytes;
   static constexpr uint32_t kOffDq = kOffdS + kStages * kDsBytes;
   // A block's lse / D rows: TMA boxes of kRowBox floats from the 16-byte boundary at or below
