@@ -9,9 +9,9 @@
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
 // Q and dO leave the ring as soon as the GEMMs reading them are done (Q's slot, with a dbias,
-// once the dQ warp has also stored the block's dS from the dS slot that goes with it). The accumulator layout is
-// that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
-// 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
+// once the dQ warp has also stored the block's dS from the dS slot that goes with it). The
+// accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of
+// S^T is key 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
 #pragma once
 
 #include "cuda/sm90/bwd_producer.cuh"
@@ -129,8 +129,8 @@ __device__ __forceinline__ uint32_t ds_blocks(uint32_t tile, int kq, int key_loc
 // only the keys it later overwrites with dS), or its one row of keys in the slot's bias row.
 template <typename Tr, typename T>
 __device__ __forceinline__ void bias_scores_t(float (&s)[Tr::BM / 2], uint32_t tile, const T* row,
-                                           bool one_row, float mul, int key_local,
-                                           const ConsumerThread& th) {
+                                              bool one_row, float mul, int key_local,
+                                              const ConsumerThread& th) {
   using E = detail::Elem<T>;
   if (one_row) {
     const float b[2] = {E::to_float(row[key_local]) * mul, E::to_float(row[key_local + 8]) * mul};
