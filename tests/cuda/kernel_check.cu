@@ -2021,6 +2021,7 @@ int main(int argc, char** argv) {
     // On Hopper the FlashAttention-2-class backward too (the dispatcher's choice may be the
     // warp-specialised one): both generations must pass.
     const bool flash2_bwd = HopperGpu();
+    const bool checks_dbias = P.s.bias.present && c.dbias;
     DeviceOut flash2;
     if (flash2_bwd) {
       dmattn::cuda::SetBackwardKernel(dmattn::cuda::BackwardKernel::kFlash2);
@@ -2055,7 +2056,7 @@ int main(int argc, char** argv) {
         vq = Compare16(ov.dq, R.dq, P.dt);
         vk = Compare16(ov.dk, R.dk, P.dt);
         vv = Compare16(ov.dv, R.dv, P.dt);
-        if (P.s.bias.present && c.dbias) vb = Compare16(ov.dbias, R.dbias, P.dt);
+        if (checks_dbias) vb = Compare16(ov.dbias, R.dbias, P.dt);
       }
       const bool vnan = vo.nan || vl.nan || vq.nan || vk.nan || vv.nan || vb.nan;
       const bool vok = !vnan && vo.rel <= 1e-2 && vl.rel <= 5e-2 && vq.rel <= 2e-2 &&
@@ -2075,14 +2076,14 @@ int main(int argc, char** argv) {
     Err ek = Worse(Compare16(o.dk, R.dk, P.dt), Compare16(plain.dk, R.dk, P.dt));
     Err ev = Worse(Compare16(o.dv, R.dv, P.dt), Compare16(plain.dv, R.dv, P.dt));
     Err eb;
-    if (P.s.bias.present && c.dbias) {
+    if (checks_dbias) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
     }
     if (flash2_bwd) {
       eq = Worse(eq, Compare16(flash2.dq, R.dq, P.dt));
       ek = Worse(ek, Compare16(flash2.dk, R.dk, P.dt));
       ev = Worse(ev, Compare16(flash2.dv, R.dv, P.dt));
-      if (P.s.bias.present && c.dbias) eb = Worse(eb, Compare16(flash2.dbias, R.dbias, P.dt));
+      if (checks_dbias) eb = Worse(eb, Compare16(flash2.dbias, R.dbias, P.dt));
     }
     const bool nan = eo.nan || el.nan || eq.nan || ek.nan || ev.nan || eb.nan;
     const bool ok = !nan && zero_ok && det_ok && paged_ok && eo.rel <= 1e-2 && el.rel <= 5e-2 &&
