@@ -232,6 +232,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
 
   mbar_wait(bar.kv_full(), 0);
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kDsSlots> ds_ring;
   RingPos<Tr::kDqStages> dq_ring;
   QueueReader<Tr, QueuedRows> blocks{queue};
   QueuedRows blk = blocks.next();
@@ -242,7 +243,8 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     float s[Tr::BM / 2], dp[Tr::BM / 2];
 
     // ---- GEMM: S^T = K Q^T, dP^T = V dO^T ---------------------------------------------------
-    const uint32_t ds_tile = detail::smem_u32(smem) + Tr::kOffdS + slot * Tr::kDsBytes;
+    const uint32_t ds_off = ds_ring.slot * Tr::kDsBytes;
+    const uint32_t ds_tile = detail::smem_u32(smem) + Tr::kOffdS + ds_off;
     mbar_wait(bar.q_full(slot), ring.parity);
     if constexpr (Tr::kBias) {
       bias_scores_t<Tr, T>(s, ds_tile,
@@ -277,15 +279,16 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_async_shared();
     named_sync(kBwdDsReadyBarrier, kConsumerThreads);
     float dq[Tr::kDqCols / 2];
-    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_kmajor, slot * Tr::kDsBytes),
+    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_kmajor, ds_off),
                             ops.k_cols);
     issue_key_grad<Tr, T>(dk, dsf, detail::gmma_advance(ops.q_mnmajor, q_off));
 
     detail::wgmma_wait<2>();  // dV: dO is free
     detail::fence_operands(dv);
     th.release(bar.do_empty(slot));
-    detail::wgmma_wait<1>();  // dQ
+    detail::wgmma_wait<1>();  // dQ: dS is free but for the dbias store
     detail::fence_operands(dq);
+    if (Tr::kBias) th.release(bar.ds_empty(ds_ring.slot));
     named_sync(kBwdDqEmptyBarrier + dq_ring.slot, kDqHandoffThreads);
     store_dq<Tr>(dq_stages + dq_ring.slot * Tr::kDqBytes / 4, dq, th);
     detail::fence_async_shared();
@@ -295,6 +298,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_operands(dk);
     th.release(bar.q_empty(slot));
     ring.advance();
+    ds_ring.advance();
     blk = next;
   }
 }

@@ -25,17 +25,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if defined(DMATTN_WGMMA)
   extern __shared__ __align__(1024) uint8_t smem[];
   const BwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
-  // A Q slot's releases: every consumer warp, and the dQ warp where it stores a full-size dbias
-  // from the block's dS slot.
-  const int q_releases = Tr::kReleaseArrivals + (Tr::kBias && P.p.dbias_mode == kDbiasDirect);
+  // A dS slot's releases (calls with a bias): every consumer warp, and the dQ warp where it
+  // stores a full-size dbias from the slot.
+  const int ds_releases = Tr::kReleaseArrivals + (Tr::kBias && P.p.dbias_mode == kDbiasDirect);
   if (threadIdx.x == 0) {
     mbar_init(bar.kv_full(), 1);
     for (int slot = 0; slot < Tr::kStages; ++slot) {
       mbar_init(bar.q_full(slot), 1);
-      mbar_init(bar.q_empty(slot), q_releases);
+      mbar_init(bar.q_empty(slot), Tr::kReleaseArrivals);
       mbar_init(bar.do_full(slot), 1);
       mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
     }
+    for (int slot = 0; slot < Tr::kDsSlots; ++slot) mbar_init(bar.ds_empty(slot), ds_releases);
     for (int slot = 0; slot < Tr::kQueueSlots; ++slot) {
       mbar_init(bar.queue_full() + slot, 1);
       mbar_init(bar.queue_empty() + slot, Tr::kQueueArrivals);
