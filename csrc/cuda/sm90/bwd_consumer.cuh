@@ -1,5 +1,5 @@
 // Consumer main loop of the Hopper backward: one warpgroup, 64 keys of the CTA's block, per
-// query block (64 rows, ring slot `slot`):
+// query block (64 rows, ring slot `slot`, dS slot `ds_ring.slot`):
 //
 //   S^T  = K Q^T,  dP^T = V dO^T       wgmma, both operands in shared memory (two groups)
 //   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window / the mask hide a pair

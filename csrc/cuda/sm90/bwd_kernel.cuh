@@ -4,9 +4,10 @@
 //   warpgroup 0       producer: warp 3 walks the query blocks and queues them for the other
 //                     roles (bwd_scheduler.cuh); warp 0 TMA-loads K, V and then Q (with the
 //                     mask's bits and the bias tile), dO, lse and D of every queued block into a
-//                     two-slot ring; warp 1 (warps 1 and 2 in turn, deterministic) adds each
-//                     block's dQ stage to the fp32 accumulator, one bulk reduction each, and
-//                     stores a full-size dbias from the block's dS tile (bwd_producer.cuh)
+//                     two-slot ring (the bias into a ring of three dS slots); warp 1 (warps 1 and
+//                     2 in turn, deterministic) adds each block's dQ stage to the fp32
+//                     accumulator, one bulk reduction each, and stores a full-size dbias from the
+//                     block's dS tile (bwd_producer.cuh)
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
