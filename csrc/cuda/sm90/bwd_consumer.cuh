@@ -8,10 +8,10 @@
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
-// Q and dO leave the ring as soon as the GEMMs reading them are done (Q's slot, with a dbias,
-// once the dQ warp has also stored the block's dS from the dS slot that goes with it). The
-// accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of
-// S^T is key 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
+// Q and dO leave the ring as soon as the GEMMs reading them are done; with a bias the dS slot
+// leaves its own ring once the dQ GEMM is done and any dbias store has read it. The accumulator
+// layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
+// 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
 #pragma once
 
 #include "cuda/sm90/bwd_producer.cuh"

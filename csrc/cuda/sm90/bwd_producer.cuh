@@ -6,7 +6,7 @@
 // (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both consumers have
 // written it, added to the fp32 accumulator with one bulk reduction (in turn with the other key
 // blocks in a deterministic call), then handed back; with a full-size dbias, the block's dS
-// tile stored into it too, after which the warp releases the Q slot with the consumers. Warp 3
+// tile stored into it too, after which the warp releases the dS slot with the consumers. Warp 3
 // walks the blocks and queues them (schedule, bwd_scheduler.cuh).
 #pragma once
 
