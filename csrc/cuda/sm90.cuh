@@ -169,8 +169,11 @@ __device__ __forceinline__ void bulk_store(T* global, const T* shared, int bytes
 __device__ __forceinline__ void bulk_commit() {
   DMATTN_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
 }
+// Waits until at most kPending of the issuing thread's latest bulk groups still read their
+// shared sources.
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
-  DMATTN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  DMATTN_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Byte offset of k-step ks (16 along the reduction dim) in a SwizzledTile operand of `rows`

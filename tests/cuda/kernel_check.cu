@@ -1801,6 +1801,9 @@ void Bench(bool variants, const std::string& only) {
     Case c = mk("b4h", 4, 16, 16, 4096, 128, true, true, false);
     c.mask_density = 0.5f;
     benches.push_back({"bias+mask[B,H,L,L] 50% d128 L4k B4 H16 causal", c, 0});
+    // the same without dbias: what dbias's stores and zeros cost
+    c.dbias = false;
+    benches.push_back({"bias+mask[B,H,L,L] 50% d128 L4k B4 H16 causal (no dbias)", c, 0});
   }
   benches.push_back({"per-key bias, mask[B,Hk,L,L] d128 L16k H2 Hk1 causal", mk("b5", 1, 2, 1, 16384, 128, true, false, true), 0});
   {

@@ -1,5 +1,5 @@
 // Consumer main loop of the Hopper backward: one warpgroup, 64 keys of the CTA's block, per
-// query block (64 rows, ring slot `slot`):
+// query block (64 rows, ring slot `slot`, dS slot `ds_ring.slot`):
 //
 //   S^T  = K Q^T,  dP^T = V dO^T       wgmma, both operands in shared memory (two groups)
 //   P^T  = exp(S^T - lse), 0 where lengths / the diagonal window / the mask hide a pair
@@ -8,10 +8,10 @@
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
-// Q and dO leave the ring as soon as the GEMMs reading them are done (Q's slot, with a dbias,
-// once the dQ warp has also stored the block's dS from the dS slot that goes with it). The
-// accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of
-// S^T is key 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
+// Q and dO leave the ring as soon as the GEMMs reading them are done; with a bias the dS slot
+// leaves its own ring once the dQ GEMM is done and any dbias store has read it. The accumulator
+// layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
+// 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
 #pragma once
 
 #include "cuda/sm90/bwd_producer.cuh"
@@ -232,6 +232,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
 
   mbar_wait(bar.kv_full(), 0);
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kDsSlots> ds_ring;
   RingPos<Tr::kDqStages> dq_ring;
   QueueReader<Tr, QueuedRows> blocks{queue};
   QueuedRows blk = blocks.next();
@@ -242,7 +243,8 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     float s[Tr::BM / 2], dp[Tr::BM / 2];
 
     // ---- GEMM: S^T = K Q^T, dP^T = V dO^T ---------------------------------------------------
-    const uint32_t ds_tile = detail::smem_u32(smem) + Tr::kOffdS + slot * Tr::kDsBytes;
+    const uint32_t ds_off = ds_ring.slot * Tr::kDsBytes;
+    const uint32_t ds_tile = detail::smem_u32(smem) + Tr::kOffdS + ds_off;
     mbar_wait(bar.q_full(slot), ring.parity);
     if constexpr (Tr::kBias) {
       bias_scores_t<Tr, T>(s, ds_tile,
@@ -277,15 +279,16 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_async_shared();
     named_sync(kBwdDsReadyBarrier, kConsumerThreads);
     float dq[Tr::kDqCols / 2];
-    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_kmajor, slot * Tr::kDsBytes),
+    issue_query_grad<Tr, T>(dq, detail::gmma_advance(ops.ds_kmajor, ds_off),
                             ops.k_cols);
     issue_key_grad<Tr, T>(dk, dsf, detail::gmma_advance(ops.q_mnmajor, q_off));
 
     detail::wgmma_wait<2>();  // dV: dO is free
     detail::fence_operands(dv);
     th.release(bar.do_empty(slot));
-    detail::wgmma_wait<1>();  // dQ
+    detail::wgmma_wait<1>();  // dQ: dS is free but for the dbias store
     detail::fence_operands(dq);
+    if (Tr::kBias) th.release(bar.ds_empty(ds_ring.slot));
     named_sync(kBwdDqEmptyBarrier + dq_ring.slot, kDqHandoffThreads);
     store_dq<Tr>(dq_stages + dq_ring.slot * Tr::kDqBytes / 4, dq, th);
     detail::fence_async_shared();
@@ -295,6 +298,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_operands(dk);
     th.release(bar.q_empty(slot));
     ring.advance();
+    ds_ring.advance();
     blk = next;
   }
 }

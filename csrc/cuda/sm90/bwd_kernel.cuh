@@ -4,9 +4,10 @@
 //   warpgroup 0       producer: warp 3 walks the query blocks and queues them for the other
 //                     roles (bwd_scheduler.cuh); warp 0 TMA-loads K, V and then Q (with the
 //                     mask's bits and the bias tile), dO, lse and D of every queued block into a
-//                     two-slot ring; warp 1 (warps 1 and 2 in turn, deterministic) adds each
-//                     block's dQ stage to the fp32 accumulator, one bulk reduction each, and
-//                     stores a full-size dbias from the block's dS tile (bwd_producer.cuh)
+//                     two-slot ring (the bias into a ring of three dS slots); warp 1 (warps 1 and
+//                     2 in turn, deterministic) adds each block's dQ stage to the fp32
+//                     accumulator, one bulk reduction each, and stores a full-size dbias from the
+//                     block's dS tile (bwd_producer.cuh)
 //   warpgroups 1, 2   consumers (bwd_consumer.cuh): 64 keys each, S^T -> P^T -> dS^T -> dV, dK,
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
@@ -25,17 +26,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if defined(DMATTN_WGMMA)
   extern __shared__ __align__(1024) uint8_t smem[];
   const BwdBarriers<Tr> bar{reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)};
-  // A Q slot's releases: every consumer warp, and the dQ warp where it stores a full-size dbias
-  // from the block's dS slot.
-  const int q_releases = Tr::kReleaseArrivals + (Tr::kBias && P.p.dbias_mode == kDbiasDirect);
+  // A dS slot's releases (calls with a bias): every consumer warp, and the dQ warp where it
+  // stores a full-size dbias from the slot.
+  const int ds_releases = Tr::kReleaseArrivals + (Tr::kBias && P.p.dbias_mode == kDbiasDirect);
   if (threadIdx.x == 0) {
     mbar_init(bar.kv_full(), 1);
     for (int slot = 0; slot < Tr::kStages; ++slot) {
       mbar_init(bar.q_full(slot), 1);
-      mbar_init(bar.q_empty(slot), q_releases);
+      mbar_init(bar.q_empty(slot), Tr::kReleaseArrivals);
       mbar_init(bar.do_full(slot), 1);
       mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
     }
+    for (int slot = 0; slot < Tr::kDsSlots; ++slot) mbar_init(bar.ds_empty(slot), ds_releases);
     for (int slot = 0; slot < Tr::kQueueSlots; ++slot) {
       mbar_init(bar.queue_full() + slot, 1);
       mbar_init(bar.queue_empty() + slot, Tr::kQueueArrivals);

@@ -6,7 +6,7 @@
 // (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both consumers have
 // written it, added to the fp32 accumulator with one bulk reduction (in turn with the other key
 // blocks in a deterministic call), then handed back; with a full-size dbias, the block's dS
-// tile stored into it too, after which the warp releases the Q slot with the consumers. Warp 3
+// tile stored into it too, after which the warp releases the dS slot with the consumers. Warp 3
 // walks the blocks and queues them (schedule, bwd_scheduler.cuh).
 #pragma once
 
@@ -45,9 +45,9 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
   const uint32_t mask_rows = P.mask_tiles.one_row ? 1 : BM;
   const uint32_t bias_bytes = Tr::kBias ? (P.bias_tiles.one_row ? 1 : BM) * BN * 2 : 0;
 
-  // The block's bias tile into ring slot `slot`'s dS slot (64-column panels), or its row of keys
-  // into the slot's bias row when the bias is broadcast over queries, completing `full`.
-  auto load_bias = [&](int slot, uint64_t* full, const QueuedBlock& blk) {
+  // The block's bias tile into dS slot `ds_slot` (64-column panels), or its row of keys into
+  // ring slot `slot`'s bias row when the bias is broadcast over queries, completing `full`.
+  auto load_bias = [&](int slot, int ds_slot, uint64_t* full, const QueuedBlock& blk) {
     const int hc = P.bias_tiles.head_coord(s.bias, blk.h);
     const int bc = P.bias_tiles.batch_coord(s.bias, s.batch, blk.b);
     if (P.bias_tiles.one_row) {
@@ -55,7 +55,7 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
                bc);
       return;
     }
-    uint8_t* dst = smem + Tr::kOffdS + slot * Tr::kDsBytes;
+    uint8_t* dst = smem + Tr::kOffdS + ds_slot * Tr::kDsBytes;
 #pragma unroll
     for (int panel = 0; panel < BN / 64; ++panel) {
       tma_load(dst + panel * BM * 128, &P.bias_tma, full, w.n0 + panel * 64, blk.m0, hc, bc);
@@ -77,13 +77,16 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
     tma_load(rows, row_map, full, blk.lse_box, 0, 0, 0);
   };
   RingPos<Tr::kStages> ring;
+  RingPos<Tr::kDsSlots> ds_ring;
   for_each_queued_block<Tr, QueuedBlock>(queue, [&](const QueuedBlock& blk) {
     const int slot = ring.slot;
     const uint32_t mask_bytes = blk.flags & kBlockMasked ? mask_rows * (BN / 8) : 0;
+    if (Tr::kBias) mbar_wait(bar.ds_empty(ds_ring.slot), ds_ring.parity ^ 1);
     mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
               &P.lse_tma, bar.q_full(slot), blk, mask_bytes + bias_bytes);
-    if (leader && Tr::kBias) load_bias(slot, bar.q_full(slot), blk);
+    if (leader && Tr::kBias) load_bias(slot, ds_ring.slot, bar.q_full(slot), blk);
+    ds_ring.advance();
     if (leader && mask_bytes > 0) {  // the block's mask bits, with Q
       tma_load(smem + Tr::kOffMask + slot * Tr::kMaskBytes, &P.mask_tma, bar.q_full(slot),
                w.n0 / 8, P.mask_tiles.one_row ? 0 : blk.m0,
@@ -124,9 +127,10 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
   int32_t* landed = nullptr;  // the flag of the last reduction, until its turn is passed on
   const int32_t added = w.cta.n_block + 1;  // a flag's value once this key block has added
   // A full-size dbias is the block's dS tile as the consumers stored it (one dQ stage: this warp
-  // sees every block); its Q slot waits for this warp too.
+  // sees every block); its dS slot waits for this warp too, the dQ stage does not.
   const bool stores_dbias = Tr::kBias && p.dbias_mode == kDbiasDirect;
-  RingPos<Tr::kStages> ring;
+  RingPos<Tr::kDsSlots> ring;
+  int stored_slot = -1;  // the dS slot of the last dbias store, until its read has completed
   QueueReader<Tr, QueuedBlock> blocks{queue};
   int skip = stage;  // the other stages' blocks before this stage's next
   auto next_block = [&] {
@@ -139,6 +143,11 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
 #pragma unroll 1
   while (blk.m0 >= 0) {
     named_arrive(kBwdDqEmptyBarrier + stage, kDqHandoffThreads);
+    if (leader && stored_slot >= 0) {
+      detail::bulk_wait_read();
+      mbar_arrive(bar.ds_empty(stored_slot));
+    }
+    stored_slot = -1;
     if (leader && landed != nullptr) pass_turn(landed, added);
     // the next block while the consumers fill the stage: nothing but the reduction between the
     // stage written and the stage handed back
@@ -152,14 +161,23 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
       float* dst = p.dq_accum + (StagedDq::row(p.s, blk.b, blk.h) + blk.m0) * Tr::D;
       const int rows = min(Tr::BM, blk.lens.q_len - blk.m0);
       detail::bulk_reduce_add(dst, dq, rows * Tr::D * 4);
-      if (stores_dbias) store_dbias<Tr>(P, smem + Tr::kOffdS + ring.slot * Tr::kDsBytes, blk, w);
       detail::bulk_commit();
-      detail::bulk_wait_read();
-      if (stores_dbias) mbar_arrive(bar.q_empty(ring.slot));  // the dS slot read
+      if (stores_dbias) {
+        store_dbias<Tr>(P, smem + Tr::kOffdS + ring.slot * Tr::kDsBytes, blk, w);
+        detail::bulk_commit();
+        detail::bulk_wait_read<1>();  // the dQ stage read: handed back before the dbias store
+      } else {
+        detail::bulk_wait_read();
+      }
     }
+    if (stores_dbias) stored_slot = ring.slot;
     __syncwarp();
     ring.advance();
     blk = next;
+  }
+  if (leader && stored_slot >= 0) {
+    detail::bulk_wait_read();
+    mbar_arrive(bar.ds_empty(stored_slot));
   }
   if (leader && landed != nullptr) pass_turn(landed, added);
 }

@@ -100,12 +100,14 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;        // kStages slots
   static constexpr uint32_t kOffdO = kOffQ + kStages * kQBytes;
-  // dS has a slot per ring slot: one warpgroup may store the next block's while the other's dQ
-  // GEMM still reads this one's (each waits for its own dQ GEMM before the next block's
-  // barrier, so two slots suffice). A block's bias tile arrives in its dS slot with Q, after
-  // q_empty (so after the dbias store of the slot's last block too).
+  // dS slots, taken by the blocks in turn: one warpgroup may store the next block's dS while the
+  // other's dQ GEMM still reads this one's (each waits for its own dQ GEMM before the next
+  // block's barrier, so two suffice). With a bias, three: a slot holds its block's bias tile
+  // from the load and its dS until the dQ warp has stored it into dbias, and the next bias
+  // loads must not wait for that store (ds_empty).
+  static constexpr int kDsSlots = kBias ? 3 : 2;
   static constexpr uint32_t kOffdS = kOffdO + kStages * kQBytes;
-  static constexpr uint32_t kOffDq = kOffdS + kStages * kDsBytes;
+  static constexpr uint32_t kOffDq = kOffdS + kDsSlots * kDsBytes;
   // A block's lse / D rows: TMA boxes of kRowBox floats from the 16-byte boundary at or below
   // the first row (a box must start on one), in slots of kRowSlot floats.
   static constexpr int kRowBox = BM + 4, kRowSlot = 96;
@@ -126,8 +128,9 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffBiasRow = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
   static constexpr uint32_t kOffQueue = kOffBiasRow + (kBias ? kStages * kBiasRowBytes : 0);
   static constexpr uint32_t kOffBarriers = kOffQueue + kQueueSlots * sizeof(QueuedBlock);
-  // kv_full, then q_full, q_empty, do_full, do_empty per slot, then the queue's full, empty
-  static constexpr int kBarriers = 1 + 4 * kStages + 2 * kQueueSlots;
+  // kv_full, then q_full, q_empty, do_full, do_empty per slot, the queue's full, empty, then
+  // ds_empty per dS slot
+  static constexpr int kBarriers = 1 + 4 * kStages + 2 * kQueueSlots + kDsSlots;
   static constexpr uint32_t kSmem = kOffBarriers + kBarriers * 8;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDsBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
@@ -165,6 +168,9 @@ struct BwdBarriers {
   __device__ __forceinline__ uint64_t* queue_full() const { return base + 1 + 4 * Tr::kStages; }
   __device__ __forceinline__ uint64_t* queue_empty() const {
     return queue_full() + Tr::kQueueSlots;
+  }
+  __device__ __forceinline__ uint64_t* ds_empty(int slot) const {
+    return queue_empty() + Tr::kQueueSlots + slot;
   }
 };
 
