@@ -33,21 +33,30 @@ cudaError_t RunForwardVariant<64, BF16>(int v, const FwdParams& p, cudaStream_t 
 // 1: 40 / 232, 2: 32 / 232, 3: 56 / 224. At 24 every spill of the kernel is the producer's (291
 // spill instructions with the operand rings, sm_90a bf16; 40 / 232: 127 + 5 in the consumers;
 // 56 / 224: 38 + 40); 56 / 224 ran 6 % faster on bias + 50 % mask and 5 % slower on bias + an
-// all-true mask (benchmarks/results/hopper_forward_masked_h100.md).
+// all-true mask (benchmarks/results/hopper_forward_masked_h100.md). Each variant runs the
+// library's kernel for the call (a mask alone: no bias ring) with other budgets.
+template <int kProducerRegs, int kConsumerRegs, bool kOperands, bool kBias>
+using Budgeted128 =
+    sm90::FwdTraits<128, 128, 2, kOperands, kProducerRegs, kConsumerRegs, false, kBias>;
+
 template <int kProducerRegs, int kConsumerRegs>
 cudaError_t RunHopperForward128(const FwdParams& p, cudaStream_t stream) {
   if (p.mask == nullptr && p.bias == nullptr) {
-    return sm90::RunForward<sm90::FwdTraits<128, 128, 2, false, kProducerRegs, kConsumerRegs>,
-                            BF16>(p, stream);
+    return sm90::RunForward<Budgeted128<kProducerRegs, kConsumerRegs, false, false>, BF16>(p,
+                                                                                        stream);
   }
-  return sm90::RunForward<sm90::FwdTraits<128, 128, 2, true, kProducerRegs, kConsumerRegs>, BF16>(
-      p, stream);
+  return p.bias != nullptr
+             ? sm90::RunForward<Budgeted128<kProducerRegs, kConsumerRegs, true, true>, BF16>(p,
+                                                                                          stream)
+             : sm90::RunForward<Budgeted128<kProducerRegs, kConsumerRegs, true, false>, BF16>(
+                   p, stream);
 }
 
 template <>
 cudaError_t RunForwardVariant<128, BF16>(int v, const FwdParams& p, cudaStream_t stream) {
   if (v < 1 || v > 3) return cudaErrorNotSupported;
-  if (!sm90::Takes(p) || p.q_segments != nullptr) {
+  // segment ids, window tables: kernels of their own
+  if (!sm90::Takes(p) || p.q_segments != nullptr || p.windows.heads > 0) {
     return RunForwardTiles<FwdConfig<128>::Traits, BF16>(p, stream);
   }
   if (v == 1) return RunHopperForward128<40, 232>(p, stream);
