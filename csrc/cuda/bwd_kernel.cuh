@@ -494,16 +494,18 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
     }();
     auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
-    if (has_segments) {  // read after the barrier of the pair's first block
-      load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
-      cp_async_commit();
-    }
 
-    // First active query block; its mask tile (unless all true) loads with its other tiles.
+    // First active query block; its mask tile (unless all true) loads with its other tiles, and
+    // the pair's kv ids with them (read after that block's barrier). A pair without a block
+    // loads no ids: its copy would still be in flight when the next pair's copy is issued to the
+    // same words, and could land last (racecheck: windows with sinks and segment ids).
     int flags;     // of block m
     int cur = 0;   // mask buffer of block m
     int m = next_block(m_first, &flags);
     if (m <= m_last) {
+      if (has_segments) {
+        load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
+      }
       if (!(flags & kTileAll)) load_mask(m, cur);
       load_step(m, stage);
     }
