@@ -120,6 +120,10 @@ struct Case {
   float mask_density = 0.7f;
   bool mask_holes = false;  // fully false rows and 64x64 tiles
   float block_density = 0.f;  // > 0: mask made of 128x128 all-true / all-false blocks
+  // > 0: a mask of whole 128-key columns, every query seeing the same key blocks: every
+  // key_block_step-th block, or (key_blocks_first) the first 1 / key_block_step of them
+  int key_block_step = 0;
+  bool key_blocks_first = false;
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.f;
@@ -439,6 +443,14 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
             const float u = static_cast<float>(hsh & 0xffffff) / 16777216.f;
             P.mask[(e * rows + i) * cols + j] = u < c.block_density ? 1 : 0;
           }
+    }
+    if (c.key_block_step > 0) {
+      const int64_t cols = c.mask.cols ? c.Lk : 1, blocks = (cols + 127) / 128;
+      for (int64_t i = 0; i < P.mask_elems; ++i) {
+        const int64_t block = i % cols / 128;
+        const int64_t first = (blocks + c.key_block_step - 1) / c.key_block_step;
+        P.mask[i] = c.key_blocks_first ? block < first : block % c.key_block_step == 0;
+      }
     }
     if (c.mask_holes) {
       // Walk every (entry, row, col) and clear whole rows 5..20 and 64x64 tiles whose tile
@@ -1820,6 +1832,16 @@ void Bench(bool variants, const std::string& only) {
     benches.push_back({"mask[1,1,L,L] all true d128 L8k H16", c, 0});
     c.block_density = 0.1f;
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L8k H16 (dense flops)", c, 0});
+    // what the sparse forward pays for far-apart blocks: the same query blocks all seeing every
+    // 10th key block, or the first tenth, and the dense kernel on those keys alone
+    c.block_density = 0.f;
+    c.key_block_step = 10;
+    benches.push_back({"mask[1,1,L,L] every 10th key block d128 L8k H16 (dense flops)", c, 0});
+    c.key_blocks_first = true;
+    benches.push_back({"mask[1,1,L,L] first 10th of key blocks d128 L8k H16 (dense flops)", c, 0});
+    Case d = mk("b6d", 1, 16, 16, 8192, 128, false, false, false);
+    d.Lk = 7 * 128;
+    benches.push_back({"dense d128 Lq8k Lk896 H16", d, 0});
   }
   {
     Case c = mk("b9", 1, 2, 1, 16384, 128, false, false, false);
