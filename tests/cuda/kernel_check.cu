@@ -1830,6 +1830,9 @@ void Bench(bool variants, const std::string& only) {
     c.mask = Op({1}, 1, true, true);
     c.mask_density = 1.f;
     benches.push_back({"mask[1,1,L,L] all true d128 L8k H16", c, 0});
+    c.mask_density = 0.5f;
+    benches.push_back({"mask[1,1,L,L] 50% d128 L8k H16", c, 0});
+    c.mask_density = 1.f;
     c.block_density = 0.1f;
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L8k H16 (dense flops)", c, 0});
     // what the sparse forward pays for far-apart blocks: the same query blocks all seeing every
