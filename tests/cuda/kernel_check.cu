@@ -446,9 +446,9 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
     }
     if (c.key_block_step > 0) {
       const int64_t cols = c.mask.cols ? c.Lk : 1, blocks = (cols + 127) / 128;
+      const int64_t first = (blocks + c.key_block_step - 1) / c.key_block_step;
       for (int64_t i = 0; i < P.mask_elems; ++i) {
         const int64_t block = i % cols / 128;
-        const int64_t first = (blocks + c.key_block_step - 1) / c.key_block_step;
         P.mask[i] = c.key_blocks_first ? block < first : block % c.key_block_step == 0;
       }
     }

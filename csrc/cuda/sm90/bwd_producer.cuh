@@ -131,6 +131,13 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
   const bool stores_dbias = Tr::kBias && p.dbias_mode == kDbiasDirect;
   RingPos<Tr::kDsSlots> ring;
   int stored_slot = -1;  // the dS slot of the last dbias store, until its read has completed
+  auto release_stored_slot = [&] {
+    if (leader && stored_slot >= 0) {
+      detail::bulk_wait_read();
+      mbar_arrive(bar.ds_empty(stored_slot));
+    }
+    stored_slot = -1;
+  };
   QueueReader<Tr, QueuedBlock> blocks{queue};
   int skip = stage;  // the other stages' blocks before this stage's next
   auto next_block = [&] {
@@ -143,11 +150,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
 #pragma unroll 1
   while (blk.m0 >= 0) {
     named_arrive(kBwdDqEmptyBarrier + stage, kDqHandoffThreads);
-    if (leader && stored_slot >= 0) {
-      detail::bulk_wait_read();
-      mbar_arrive(bar.ds_empty(stored_slot));
-    }
-    stored_slot = -1;
+    release_stored_slot();
     if (leader && landed != nullptr) pass_turn(landed, added);
     // the next block while the consumers fill the stage: nothing but the reduction between the
     // stage written and the stage handed back
@@ -175,10 +178,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const uint8_t*
     ring.advance();
     blk = next;
   }
-  if (leader && stored_slot >= 0) {
-    detail::bulk_wait_read();
-    mbar_arrive(bar.ds_empty(stored_slot));
-  }
+  release_stored_slot();
   if (leader && landed != nullptr) pass_turn(landed, added);
 }
 
