@@ -114,6 +114,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   P.order.counter = params.tile_counter;
   if (P.order.tiles == 0) return cudaSuccess;
   P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
+  P.band = detail::make_band(s);
   const int64_t kv_entries = KvEntries(s);
   const int64_t B = s.batch_count();
   cudaError_t e = EncodeRowMajorMap(&P.q_tma, params.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/kernel_params.h"
+#include "cuda/kernel_utils.cuh"
 
 namespace dmattn::cuda::sm90 {
 
@@ -38,6 +39,9 @@ struct FwdParamsSm90 {
   FwdParams p;
   TileOrder order;
   int64_t kv_entry_elems;  // elements of k (or v) per distinct batch entry: Lk * Hk * D
+  // make_band(p.s), worked out on the host: made in the kernel it is some 30 instructions of
+  // 64-bit arithmetic, which the consumers paid for every key block (5 % of their instructions)
+  detail::Band band;
   OperandTiles bias_tiles, mask_tiles;
   CUtensorMap q_tma;
   CUtensorMap k_tma;

@@ -51,6 +51,14 @@ __device__ __forceinline__ int64_t next_tile(const TileOrder& o, int64_t t) {
   return static_cast<int64_t>(atomicAdd(o.counter, 1)) + gridDim.x;
 }
 
+// The position rule of kv head hk (kernel_utils.cuh: position_rule_of) from the call's band as
+// the host worked it out (FwdParamsSm90::band).
+template <typename Tr>
+__device__ __forceinline__ detail::PositionRule head_rule(const FwdParamsSm90& P, int hk) {
+  if constexpr (Tr::kTable) return detail::position_rule(P.band, P.p.windows, hk);
+  return {P.band, P.band, 0};
+}
+
 // What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
 // [keys.lo, keys.hi) that lengths and the position rule leave visible to some of them (with a
 // sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it).
@@ -75,7 +83,7 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   w.m0 = tile.m_block * Tr::BM;
   w.lens = detail::seq_lens(s, P.p.q_lens, P.p.kv_lens, w.b);
   w.keys = detail::visible_key_blocks<Tr::BM, Tr::BN, Tr::kTable>(
-                 w.lens, detail::position_rule_of<Tr::kTable>(P.p, w.hk), w.m0)
+                 w.lens, head_rule<Tr>(P, w.hk), w.m0)
                .all;
   return w;
 }
@@ -129,7 +137,7 @@ struct KeyWalk {
                                                          const TileWork& w) {
     if constexpr (Tr::kTable) {
       return detail::visible_key_blocks<Tr::BM, Tr::BN>(
-                 w.lens, detail::position_rule(P.p.s, P.p.windows, w.hk), w.m0)
+                 w.lens, head_rule<Tr>(P, w.hk), w.m0)
           .gap;
     } else {
       return {};

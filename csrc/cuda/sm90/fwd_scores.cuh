@@ -179,10 +179,10 @@ __device__ __forceinline__ void hide_outside(float (&s)[Tr::BN / 2], int half, i
 // -inf for keys the lengths or the position rule hide from a row, in tiles that cross a
 // boundary of the rule's band (a sink's keys lie outside it).
 template <typename Tr>
-__device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2], const FwdParams& p,
-                                                   const TileWork& w, const ConsumerThread& th,
-                                                   int n) {
-  const detail::PositionRule rule = detail::position_rule_of<Tr::kTable>(p, w.hk);
+__device__ __forceinline__ void hide_out_of_bounds(float (&s)[Tr::BN / 2],
+                                                   const FwdParamsSm90& P, const TileWork& w,
+                                                   const ConsumerThread& th, int n) {
+  const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
   const detail::Band& band = rule.band;
   const int r0 = th.wg_row0(w.m0), n0 = n * Tr::BN;
   const bool crosses = r0 + 64 > w.lens.q_len || n0 + Tr::BN > w.lens.kv_len ||
@@ -295,7 +295,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
   if constexpr (Tr::kSegments) {
     if (flags & detail::kTileIndexed) hide_other_segments<Tr>(s, p, w, th, n);
   }
-  hide_out_of_bounds<Tr>(s, p, w, th, n);
+  hide_out_of_bounds<Tr>(s, P, w, th, n);
 }
 
 // s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before.
