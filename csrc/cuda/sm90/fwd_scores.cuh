@@ -19,8 +19,8 @@ namespace dmattn::cuda::sm90 {
 struct ConsumerThread {
   int wg, warp, lane, g, tq;
   __device__ __forceinline__ explicit ConsumerThread(int consumer_tid)
-      : wg(consumer_tid / 128),
-        warp((consumer_tid / 32) % 4),
+      : wg(__shfl_sync(0xffffffffu, consumer_tid / 128, 0)),
+        warp(__shfl_sync(0xffffffffu, (consumer_tid / 32) % 4, 0)),
         lane(consumer_tid % 32),
         g((consumer_tid % 32) / 4),
         tq(consumer_tid % 4) {}
