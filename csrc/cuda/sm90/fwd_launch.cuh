@@ -41,6 +41,7 @@ inline OperandShape OperandShapeOf(const AttentionShape& s, const BroadcastOpera
   o.tiles.per_head = op.head_stride != 0;
   o.tiles.one_row = op.row_stride == 0;
   o.head_entries = o.tiles.per_head ? s.num_heads / op.heads_per_entry : 1;
+  o.tiles.head_entries = static_cast<int>(o.head_entries);
   o.rows = o.tiles.one_row ? 1 : s.seqlen_q;
   o.cols = s.seqlen_k;
   o.tiles.batch_entry_elems = o.head_entries * o.rows * o.cols;

@@ -20,18 +20,33 @@ struct TileOrder {
   int* counter = nullptr;  // tiles taken after each CTA's first (zeroed), or null: stride
 };
 
+// The (batch entry, head entry) of a mask or bias operand that one (batch, head) reads.
+struct OperandEntry {
+  int batch = 0;
+  int head = 0;
+};
+
 // Where the tile of a mask or bias operand lies in its tensor map (tensor_maps.h: [batch
 // entries, head entries, rows, cols]).
 struct OperandTiles {
   int64_t batch_entry_elems = 1;  // elements per batch entry
-  bool per_head = false;          // one entry per head (group), else broadcast over heads
-  bool one_row = false;           // broadcast over queries: one row per tile
+  int head_entries = 1;
+  bool per_head = false;  // one entry per head (group), else broadcast over heads
+  bool one_row = false;   // broadcast over queries: one row per tile
   __device__ __forceinline__ int batch_coord(const BroadcastOperand& op, const BatchShape& batch,
                                              int64_t b) const {
     return static_cast<int>(op.batch.offset(batch, b) / batch_entry_elems);
   }
   __device__ __forceinline__ int head_coord(const BroadcastOperand& op, int h) const {
     return per_head ? static_cast<int>(h / op.heads_per_entry) : 0;
+  }
+  __device__ __forceinline__ OperandEntry entry(const BroadcastOperand& op,
+                                                const BatchShape& batch, int64_t b, int h) const {
+    return {batch_coord(op, batch, b), head_coord(op, h)};
+  }
+  // The entry's index in the operand's own layout, as the mask's block map counts them.
+  __device__ __forceinline__ int64_t index(OperandEntry e) const {
+    return static_cast<int64_t>(e.batch) * head_entries + e.head;
   }
 };
 

@@ -61,13 +61,16 @@ __device__ __forceinline__ detail::PositionRule head_rule(const FwdParamsSm90& P
 
 // What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
 // [keys.lo, keys.hi) that lengths and the position rule leave visible to some of them (with a
-// sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it).
+// sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it), and
+// the entries of the bias and mask that (b, h) reads (kOperands kernels; 64-bit divisions that
+// each warp would otherwise repeat for every tile or key block).
 struct TileWork {
   int64_t b;
   int h, hk;
   int m0;
   detail::SeqLens lens;
   detail::BlockRange keys;
+  OperandEntry bias, mask;
   __device__ __forceinline__ bool empty() const { return keys.hi <= keys.lo; }
 };
 
@@ -85,6 +88,10 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   w.keys = detail::visible_key_blocks<Tr::BM, Tr::BN, Tr::kTable>(
                  w.lens, head_rule<Tr>(P, w.hk), w.m0)
                .all;
+  if constexpr (Tr::kOperands) {
+    if (Tr::kBias && P.p.bias != nullptr) w.bias = P.bias_tiles.entry(s.bias, s.batch, w.b, w.h);
+    if (P.p.mask != nullptr) w.mask = P.mask_tiles.entry(s.mask, s.batch, w.b, w.h);
+  }
   return w;
 }
 
@@ -147,7 +154,7 @@ struct KeyWalk {
                                                                     const TileWork& w) {
     const FwdParams& p = P.p;
     const bool has_mask = Tr::kOperands && p.mask != nullptr;
-    const MaskFlags mask{detail::MaskMapView(p.mask_map, p.s, w.b, w.h), w.m0};
+    const MaskFlags mask{detail::MaskMapView(p.mask_map, P.mask_tiles.index(w.mask)), w.m0};
     if constexpr (Tr::kSegments) {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, w.b);
       return detail::TileWalk<-1, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},
