@@ -218,9 +218,10 @@ template <typename Tr, typename T>
 __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
                                         const BwdBarriers<Tr>& bar, const BlockQueue<Tr>& queue,
                                         const BwdCtaWork& w, const ConsumerThread& th,
+                                        int wg_uniform,
                                         float (&dk)[Tr::D / 2], float (&dv)[Tr::D / 2]) {
   const BwdParams& p = P.p;
-  const BwdOperands<Tr> ops(detail::smem_u32(smem), th.wg);
+  const BwdOperands<Tr> ops(detail::smem_u32(smem), wg_uniform);
   const float* lse_slots = reinterpret_cast<const float*>(smem + Tr::kOffLse);
   const float* dsum_slots = reinterpret_cast<const float*>(smem + Tr::kOffDsum);
   float* dq_stages = reinterpret_cast<float*>(smem + Tr::kOffDq);

@@ -62,8 +62,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   claim_registers<Tr::kConsumerRegs>();
   const ConsumerThread th(threadIdx.x - 128);
+  // The warpgroup index as the compiler sees a warp-uniform value (its descriptors in uniform
+  // registers).
+  const int wg = __shfl_sync(0xffffffffu, th.wg, 0);
   float dk[Tr::D / 2], dv[Tr::D / 2];
-  consume<Tr, T>(P, smem, bar, queue, w, th, dk, dv);
+  consume<Tr, T>(P, smem, bar, queue, w, th, wg, dk, dv);
   store_key_grads<Tr, T>(P, smem, w, th, dk, dv);
 #endif
 }

@@ -15,8 +15,7 @@ namespace dmattn::cuda::sm90 {
 
 // A consumer thread: warpgroup `wg` of the consumers, its warp in the warpgroup, and the two
 // accumulator rows g and g + 8 of that warp's 16 that it holds (columns 2 tq, 2 tq + 1 of each
-// 8-column tile). wg and warp come through a shuffle from lane 0, so that the compiler sees them
-// warp-uniform and keeps the wgmma descriptors built from them in uniform registers.
+// 8-column tile).
 struct ConsumerThread {
   int wg, warp, lane, g, tq;
   __device__ __forceinline__ explicit ConsumerThread(int consumer_tid)
