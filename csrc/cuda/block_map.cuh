@@ -18,10 +18,11 @@ struct MaskMapView {
 
   __device__ __forceinline__ MaskMapView(const MaskBlockMap& map, const AttentionShape& s,
                                          int64_t b, int64_t h)
-      : cells(map.cells +
-              s.mask.offset(s.batch, b, h) / map.entry_elems * map.rows * map.cols),
-        rows(map.rows),
-        cols(map.cols) {}
+      : MaskMapView(map, s.mask.offset(s.batch, b, h) / map.entry_elems) {}
+  // The cells of entry `entry` (the mask's offset of (b, h) / entry_elems, some 140 instructions
+  // of 64-bit division that a kernel may have worked out once for all its warps).
+  __device__ __forceinline__ MaskMapView(const MaskBlockMap& map, int64_t entry)
+      : cells(map.cells + entry * map.rows * map.cols), rows(map.rows), cols(map.cols) {}
 
   // kTileAny | kTileAll of the ROWS x COLS tile whose first element is (r0, c0).
   template <int ROWS, int COLS>

@@ -454,13 +454,17 @@ struct PositionRule {
   }
 };
 
-__host__ __device__ __forceinline__ PositionRule position_rule(const AttentionShape& s,
+__host__ __device__ __forceinline__ PositionRule position_rule(const Band& outer,
                                                                const HeadWindows& windows,
                                                                int hk) {
-  const Band outer = make_band(s);
   if (windows.heads == 0) return {outer, outer, 0};
   const HeadWindow& w = windows.head[hk];
   return {{w.dmin, w.dmax}, outer, w.sink};
+}
+__host__ __device__ __forceinline__ PositionRule position_rule(const AttentionShape& s,
+                                                               const HeadWindows& windows,
+                                                               int hk) {
+  return position_rule(make_band(s), windows, hk);
 }
 
 // The rule of kv head hk in a kernel that reads window tables (kTable) or not (the call's band

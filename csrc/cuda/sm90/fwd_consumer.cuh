@@ -150,7 +150,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   if constexpr (kWarpgroupKeys<Tr>) {
     // With a sink, every block of the tile (the element test hides what this warpgroup's rows
     // do not see).
-    const detail::PositionRule rule = detail::position_rule_of<Tr::kTable>(p, w.hk);
+    const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
     const detail::BlockRange mine =
         rule.sink > 0 ? w.keys
                       : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     return;
   }
   claim_registers<Tr::kConsumerRegs>();
-  const ConsumerThread th(threadIdx.x - 128);
+  const ConsumerThread th = ConsumerThread::warp_uniform(threadIdx.x - 128);
   // The first consumer takes the first turn at the tensor cores.
   if (th.wg == Tr::kConsumers - 1) pass_turn<Tr::kConsumers>(th.wg);
   RingPos<Tr::kStages> ring;

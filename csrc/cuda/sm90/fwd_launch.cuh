@@ -41,6 +41,7 @@ inline OperandShape OperandShapeOf(const AttentionShape& s, const BroadcastOpera
   o.tiles.per_head = op.head_stride != 0;
   o.tiles.one_row = op.row_stride == 0;
   o.head_entries = o.tiles.per_head ? s.num_heads / op.heads_per_entry : 1;
+  o.tiles.head_entries = static_cast<int>(o.head_entries);
   o.rows = o.tiles.one_row ? 1 : s.seqlen_q;
   o.cols = s.seqlen_k;
   o.tiles.batch_entry_elems = o.head_entries * o.rows * o.cols;
@@ -114,6 +115,7 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
   P.order.counter = params.tile_counter;
   if (P.order.tiles == 0) return cudaSuccess;
   P.kv_entry_elems = s.seqlen_k * s.num_kv_heads * s.head_dim;
+  P.band = detail::make_band(s);
   const int64_t kv_entries = KvEntries(s);
   const int64_t B = s.batch_count();
   cudaError_t e = EncodeRowMajorMap(&P.q_tma, params.q, s.dtype, B, s.seqlen_q, s.num_heads, Tr::D,

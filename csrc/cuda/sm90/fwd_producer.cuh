@@ -38,7 +38,6 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
                                               bool leader) {
   constexpr int BM = Tr::BM, BN = Tr::BN;
   const FwdParams& p = P.p;
-  const AttentionShape& s = p.s;
   if (Tr::kBias && p.bias != nullptr) {
     const OperandTiles& o = P.bias_tiles;
     RingPos<Tr::kBiasStages>& pos = rings.bias;
@@ -46,14 +45,15 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
     uint8_t* dst = smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes;
     mbar_wait(bar.bias_empty(pos.slot), pos.parity ^ 1);
     if (leader) {
-      const int hc = o.head_coord(s.bias, w.h), bc = o.batch_coord(s.bias, s.batch, w.b);
+      const OperandEntry e = w.bias;
       mbar_arrive_expect_tx(full, (o.one_row ? 1 : BM) * BN * 2);
       if (o.one_row) {
-        tma_load(dst, &P.bias_tma, full, n * BN, 0, hc, bc);
+        tma_load(dst, &P.bias_tma, full, n * BN, 0, e.head, e.batch);
       } else {
 #pragma unroll
         for (int panel = 0; panel < BN / 64; ++panel) {
-          tma_load(dst + panel * BM * 128, &P.bias_tma, full, n * BN + panel * 64, w.m0, hc, bc);
+          tma_load(dst + panel * BM * 128, &P.bias_tma, full, n * BN + panel * 64, w.m0, e.head,
+                   e.batch);
         }
       }
     }
@@ -66,8 +66,8 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
     if (leader) {
       mbar_arrive_expect_tx(bar.mask_full(pos.slot), (o.one_row ? 1 : BM) * BN / 8);
       tma_load(smem + Tr::kOffMask + pos.slot * Tr::kMaskBytes, &P.mask_tma,
-               bar.mask_full(pos.slot), n * BN / 8, o.one_row ? 0 : w.m0,
-               o.head_coord(s.mask, w.h), o.batch_coord(s.mask, s.batch, w.b));
+               bar.mask_full(pos.slot), n * BN / 8, o.one_row ? 0 : w.m0, w.mask.head,
+               w.mask.batch);
     }
     pos.advance();
   }

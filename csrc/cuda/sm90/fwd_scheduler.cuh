@@ -51,15 +51,26 @@ __device__ __forceinline__ int64_t next_tile(const TileOrder& o, int64_t t) {
   return static_cast<int64_t>(atomicAdd(o.counter, 1)) + gridDim.x;
 }
 
+// The position rule of kv head hk (kernel_utils.cuh: position_rule_of) from the call's band as
+// the host worked it out (FwdParamsSm90::band).
+template <typename Tr>
+__device__ __forceinline__ detail::PositionRule head_rule(const FwdParamsSm90& P, int hk) {
+  if constexpr (Tr::kTable) return detail::position_rule(P.band, P.p.windows, hk);
+  return {P.band, P.band, 0};
+}
+
 // What a tile covers: query rows m0 .. m0 + BM - 1 of (batch b, head h), the key blocks
 // [keys.lo, keys.hi) that lengths and the position rule leave visible to some of them (with a
-// sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it).
+// sink, the gap between the sink's blocks and the band's is inside; KeyWalk steps over it), and
+// the entries of the bias and mask that (b, h) reads (kOperands kernels; 64-bit divisions that
+// each warp would otherwise repeat for every tile or key block).
 struct TileWork {
   int64_t b;
   int h, hk;
   int m0;
   detail::SeqLens lens;
   detail::BlockRange keys;
+  OperandEntry bias, mask;
   __device__ __forceinline__ bool empty() const { return keys.hi <= keys.lo; }
 };
 
@@ -75,8 +86,12 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, int64_t t)
   w.m0 = tile.m_block * Tr::BM;
   w.lens = detail::seq_lens(s, P.p.q_lens, P.p.kv_lens, w.b);
   w.keys = detail::visible_key_blocks<Tr::BM, Tr::BN, Tr::kTable>(
-                 w.lens, detail::position_rule_of<Tr::kTable>(P.p, w.hk), w.m0)
+                 w.lens, head_rule<Tr>(P, w.hk), w.m0)
                .all;
+  if constexpr (Tr::kOperands) {
+    if (Tr::kBias && P.p.bias != nullptr) w.bias = P.bias_tiles.entry(s.bias, s.batch, w.b, w.h);
+    if (P.p.mask != nullptr) w.mask = P.mask_tiles.entry(s.mask, s.batch, w.b, w.h);
+  }
   return w;
 }
 
@@ -129,7 +144,7 @@ struct KeyWalk {
                                                          const TileWork& w) {
     if constexpr (Tr::kTable) {
       return detail::visible_key_blocks<Tr::BM, Tr::BN>(
-                 w.lens, detail::position_rule(P.p.s, P.p.windows, w.hk), w.m0)
+                 w.lens, head_rule<Tr>(P, w.hk), w.m0)
           .gap;
     } else {
       return {};
@@ -139,7 +154,7 @@ struct KeyWalk {
                                                                     const TileWork& w) {
     const FwdParams& p = P.p;
     const bool has_mask = Tr::kOperands && p.mask != nullptr;
-    const MaskFlags mask{detail::MaskMapView(p.mask_map, p.s, w.b, w.h), w.m0};
+    const MaskFlags mask{detail::MaskMapView(p.mask_map, P.mask_tiles.index(w.mask)), w.m0};
     if constexpr (Tr::kSegments) {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, w.b);
       return detail::TileWalk<-1, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},

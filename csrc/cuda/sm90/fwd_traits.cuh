@@ -15,7 +15,7 @@
 namespace dmattn::cuda::sm90 {
 
 // Bytes of a slot of the tile queue (fwd_scheduler.cuh: QueuedTile).
-constexpr uint32_t kQueuedTileBytes = 48;
+constexpr uint32_t kQueuedTileBytes = 64;
 
 // kOperands: the CTA has rings for the bias and mask tiles of the key blocks and walks past the
 // blocks a mask hides (a call with a mask or a bias); kBias: it has the bias ring (calls with a
