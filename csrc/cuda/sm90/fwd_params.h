@@ -31,8 +31,8 @@ struct OperandEntry {
 struct OperandTiles {
   int64_t batch_entry_elems = 1;  // elements per batch entry
   int head_entries = 1;           // 1 when broadcast over heads
-  bool per_head = false;  // one entry per head (group), else broadcast over heads
-  bool one_row = false;   // broadcast over queries: one row per tile
+  bool per_head = false;          // one entry per head (group), else broadcast over heads
+  bool one_row = false;           // broadcast over queries: one row per tile
   __device__ __forceinline__ int batch_coord(const BroadcastOperand& op, const BatchShape& batch,
                                              int64_t b) const {
     return static_cast<int>(op.batch.offset(batch, b) / batch_entry_elems);
