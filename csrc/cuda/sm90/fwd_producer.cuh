@@ -45,15 +45,14 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
     uint8_t* dst = smem + Tr::kOffBias + pos.slot * Tr::kBiasBytes;
     mbar_wait(bar.bias_empty(pos.slot), pos.parity ^ 1);
     if (leader) {
-      const OperandEntry e = w.bias;
       mbar_arrive_expect_tx(full, (o.one_row ? 1 : BM) * BN * 2);
       if (o.one_row) {
-        tma_load(dst, &P.bias_tma, full, n * BN, 0, e.head, e.batch);
+        tma_load(dst, &P.bias_tma, full, n * BN, 0, w.bias.head, w.bias.batch);
       } else {
 #pragma unroll
         for (int panel = 0; panel < BN / 64; ++panel) {
-          tma_load(dst + panel * BM * 128, &P.bias_tma, full, n * BN + panel * 64, w.m0, e.head,
-                   e.batch);
+          tma_load(dst + panel * BM * 128, &P.bias_tma, full, n * BN + panel * 64, w.m0,
+                   w.bias.head, w.bias.batch);
         }
       }
     }
