@@ -19,8 +19,8 @@ namespace dmattn::cuda::sm90 {
 // 3.68 ms, causal 1.55 vs 2.16; D = 64 B4 H32 3.98 vs 4.16, causal 2.23 vs 2.42).
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
-// True when the kernel takes the call: dense attention with lengths, causality or a window,
-// GQA / MQA, a mask, a bias and segment ids (no O(L) mask forms, window table or softcap), dQ through the
+// True when the kernel takes the call: dense attention with lengths, causality or a window, GQA /
+// MQA, a mask, a bias and segment ids (no O(L) mask forms, window table or softcap), dQ through the
 // accumulator (deterministic calls: in turns, with the flags of the workspace), operands TMA can
 // address. The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {

@@ -1,13 +1,13 @@
-// Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by
-// TMA once, then per queued query block Q with its lse rows (and mask bits, or those of its
-// segment ids, written by the warp; its bias tile, in its dS slot) and dO with its D rows by TMA into the next ring slot, each slot once the
-// consumers have released it (lse and D are read as flat vectors: a block's rows start anywhere,
-// its box on the 16-byte boundary below; the consumers mask the rows past its length). Warp 1
-// (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both consumers have
-// written it, added to the fp32 accumulator with one bulk reduction (in turn with the other key
-// blocks in a deterministic call), then handed back; with a full-size dbias, the block's dS
-// tile stored into it too, after which the warp releases the dS slot with the consumers. Warp 3
-// walks the blocks and queues them (schedule, bwd_scheduler.cuh).
+// Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by TMA
+// once, then per queued query block Q with its lse rows (and mask bits, or those of its segment
+// ids, written by the warp; its bias tile, in its dS slot) and dO with its D rows by TMA into the
+// next ring slot, each slot once the consumers have released it (lse and D are read as flat
+// vectors: a block's rows start anywhere, its box on the 16-byte boundary below; the consumers mask
+// the rows past its length). Warp 1 (warps 1 and 2 in turn, deterministic): each block's dQ stage,
+// once both consumers have written it, added to the fp32 accumulator with one bulk reduction (in
+// turn with the other key blocks in a deterministic call), then handed back; with a full-size
+// dbias, the block's dS tile stored into it too, after which the warp releases the dS slot with the
+// consumers. Warp 3 walks the blocks and queues them (schedule, bwd_scheduler.cuh).
 #pragma once
 
 #include "cuda/sm90/bwd_scheduler.cuh"
@@ -121,18 +121,16 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
         (blk.flags & kBlockMasked) && !indexed ? mask_rows * (BN / 8) : 0;
     if (Tr::kBias) mbar_wait(bar.ds_empty(ds_ring.slot), ds_ring.parity ^ 1);
     mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
-    if (indexed) {  // written before the leader's arrival on q_full publishes them
-      write_segment_bits<Tr>(p, blk, w.n0, smem + Tr::kOffMask + slot * Tr::kMaskBytes);
-      __syncwarp();
-    }
+    uint8_t* mask_slot = smem + Tr::kOffMask + slot * Tr::kMaskBytes;
+    if (indexed) write_segment_bits<Tr>(p, blk, w.n0, mask_slot);
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
               &P.lse_tma, bar.q_full(slot), blk, mask_bytes + bias_bytes);
+    if (Tr::kSegments && !leader) mbar_arrive(bar.q_full(slot));  // each lane: kQFullArrivals
     if (leader && Tr::kBias) load_bias(slot, ds_ring.slot, bar.q_full(slot), blk);
     ds_ring.advance();
     if (leader && mask_bytes > 0) {  // the block's mask bits, with Q
-      tma_load(smem + Tr::kOffMask + slot * Tr::kMaskBytes, &P.mask_tma, bar.q_full(slot),
-               w.n0 / 8, P.mask_tiles.one_row ? 0 : blk.m0,
-               P.mask_tiles.head_coord(s.mask, blk.h),
+      tma_load(mask_slot, &P.mask_tma, bar.q_full(slot), w.n0 / 8,
+               P.mask_tiles.one_row ? 0 : blk.m0, P.mask_tiles.head_coord(s.mask, blk.h),
                P.mask_tiles.batch_coord(s.mask, s.batch, blk.b));
     }
     mbar_wait(bar.do_empty(slot), ring.parity ^ 1);

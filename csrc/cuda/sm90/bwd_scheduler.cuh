@@ -1,14 +1,14 @@
 // The work of one CTA of the Hopper backward: its key block, kv head and dk / dv class (the
-// FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
-// for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
-// query heads), the query blocks whose rows see some key of the block by lengths and position
-// and whose tile neither the mask (its block map) nor the segment ids (their spans, segments.cuh)
-// hide entirely, read 32 tiles at a time by TileWalk. A scheduler warp walks them and queues each block with what the other roles need of
-// it (QueuedBlock: the consumers' rows, lengths and mask, the loader's and the dQ warps'
-// coordinates), so that neither the consumers' nor the loader's registers carry the walk. With
-// a mask, the CTAs take the key blocks heaviest first (the block order of launch_template.cuh);
-// deterministic calls fix the order in which the key blocks add to a query block's dQ: from the
-// last key block down.
+// FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs: for
+// every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's query
+// heads), the query blocks whose rows see some key of the block by lengths and position and whose
+// tile neither the mask (its block map) nor the segment ids (their spans, segments.cuh) hide
+// entirely, read 32 tiles at a time by TileWalk. A scheduler warp walks them and queues each block
+// with what the other roles need of it (QueuedBlock: the consumers' rows, lengths and mask, the
+// loader's and the dQ warps' coordinates), so that neither the consumers' nor the loader's
+// registers carry the walk. With a mask, the CTAs take the key blocks heaviest first (the block
+// order of launch_template.cuh); deterministic calls fix the order in which the key blocks add to a
+// query block's dQ: from the last key block down.
 #pragma once
 
 #include <type_traits>

@@ -155,6 +155,11 @@ struct BwdTraitsSm90 {
   // Every consumer warp releases a ring slot once its wgmmas have read it; a queue slot, every
   // thread of the consumers, the dQ warps and the loader warp once it has read the block.
   static constexpr int kReleaseArrivals = 4 * kConsumers;
+  // The segment kernel's loader lanes write its mask bits with plain stores: each lane that
+  // writes them arrives on q_full, and every consumer thread that reads them on q_empty (one
+  // arrival for its warp orders no other lane's access: racecheck saw hazards both ways).
+  static constexpr int kQFullArrivals = kSegments ? 32 : 1;
+  static constexpr int kQEmptyArrivals = kSegments ? kConsumerThreads : kReleaseArrivals;
   static constexpr int kQueueArrivals = 32 * (4 * kConsumers + kDqStages + 1);
 };
 
