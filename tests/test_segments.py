@@ -615,6 +615,38 @@ def test_cuda_nonmonotone_ids(case):
     check_case(case, "cuda", inputs, dense_reference(case, inputs))
 
 
+# Calls the warp-specialised Hopper backward takes with segment ids (no mask, bias or
+# deterministic dQ beside them; head dims 64 and 128): the cases above and a GQA causal one over
+# several key blocks, with their ids in order (most tiles one id) and permuted (every tile's
+# pairs compared, as the bits the loader writes).
+HOPPER_BACKWARD_CASES = [
+    GPU_CASES[0],
+    GPU_CASES[1],
+    Case(B=2, Lq=1000, Lk=1000, H=8, Hk=2, D=128, dtype="bfloat16", segments="packed",
+         causal=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "flash2"])
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES, ids=cases_ids(HOPPER_BACKWARD_CASES))
+def test_cuda_backward_generations(case, permuted, kernel):
+    """Both backward generations ("auto": the warp-specialised one on an sm_90a build) against
+    the float64 reference."""
+    require_cuda_kernel(case.D, case.dtype)
+    inputs = make_inputs(case)
+    if permuted:
+        inputs = _nonmonotone(case, inputs)
+    _ffi.cuda_set_backward_kernel(kernel)
+    jax.clear_caches()
+    try:
+        check_case(case, "cuda", inputs, dense_reference(case, inputs))
+    finally:
+        _ffi.cuda_set_backward_kernel("auto")
+        jax.clear_caches()
+
+
 @pytest.mark.gpu
 def test_cuda_deterministic():
     """deterministic=True: the dq kernel reads the ids too; gradients bitwise equal run to run."""

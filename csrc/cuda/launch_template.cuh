@@ -475,6 +475,7 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   using Tr = sm90::BwdTraitsSm90<D>;
   using Deterministic = sm90::BwdTraitsSm90<D, 2>;
   using Biased = sm90::BwdTraitsSm90<D, 1, true>;
+  using Segmented = sm90::BwdTraitsSm90<D, 1, false, true>;
   BwdParams p = launch.p;
   const AttentionShape& s = p.s;
   const int64_t q_elems = s.batch_count() * s.seqlen_q * s.num_heads * D;
@@ -500,9 +501,10 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   } else if (cudaError_t e = OrderKeyBlocks<Tr>(p, ctas, stream); e != cudaSuccess) {
     return e;
   }
-  auto run = p.dq_turns != nullptr ? sm90::RunBackwardKernel<Deterministic, T>
-             : p.bias != nullptr    ? sm90::RunBackwardKernel<Biased, T>
-                                    : sm90::RunBackwardKernel<Tr, T>;
+  auto run = p.dq_turns != nullptr    ? sm90::RunBackwardKernel<Deterministic, T>
+             : p.bias != nullptr       ? sm90::RunBackwardKernel<Biased, T>
+             : p.q_segments != nullptr ? sm90::RunBackwardKernel<Segmented, T>
+                                       : sm90::RunBackwardKernel<Tr, T>;
   if (cudaError_t e = run(p, ctas, stream); e != cudaSuccess) return e;
   return ConvertStagedDq<D, T>(launch, p, stream);
 }

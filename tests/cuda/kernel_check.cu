@@ -1221,6 +1221,13 @@ std::vector<Case> AllCases() {
     c.bias = Op({2}, 4, true, true); add(c);
   }
   {
+    Case c; c.name = "seg_random_gqa_q700_k900_d128"; c.batch = {2}; c.H = 8; c.Hk = 2;
+    c.Lq = 700; c.Lk = 900; c.D = 128; c.seg_docs = 4; c.seg_random = true; add(c);
+    c = Case(); c.name = "seg_shared_causal_q1000_k1000_d64"; c.batch = {3}; c.H = 4; c.Hk = 4;
+    c.Lq = 1000; c.Lk = 1000; c.D = 64; c.causal = true; c.seg_docs = 5; c.seg_shared = true;
+    add(c);
+  }
+  {
     Case c; c.name = "seg_random_causal_q700_k700_d128_mask"; c.H = 2; c.Hk = 2; c.Lq = 700;
     c.Lk = 700; c.D = 128; c.causal = true; c.seg_docs = 2; c.seg_random = true;
     c.mask = Op({1}, 2, true, true); add(c);
@@ -1523,6 +1530,16 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_seg_q130_k300_d128_mask_bias_causal"; c.batch = {2}; c.H = 2;
     c.Hk = 1; c.Lq = 130; c.Lk = 300; c.D = 128; c.causal = true; c.seg_docs = 4;
     c.mask = Op({2}, 1, true, true); c.bias = Op({2}, 2, true, true); v.push_back(c);
+  }
+  {
+    // the warp-specialised Hopper backward's segment kernel (no mask, bias or deterministic dQ):
+    // ids at random (every tile's pairs compared), documents with sequence lengths
+    Case c; c.name = "quick_seg_random_q200_k257_d128_gqa_causal"; c.batch = {2}; c.H = 4;
+    c.Hk = 2; c.Lq = 200; c.Lk = 257; c.D = 128; c.causal = true; c.seg_docs = 3;
+    c.seg_random = true; v.push_back(c);
+    c = Case(); c.name = "quick_seg_packed_q333_k300_d64_seqlens"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 333; c.Lk = 300; c.D = 64; c.seg_docs = 4; c.seqlens = true;
+    c.q_lens = {333, 100}; c.kv_lens = {300, 129}; v.push_back(c);
   }
   {
     Case c; c.name = "quick_seg_random_q70_k90_d64_det"; c.H = 2; c.Hk = 2; c.Lq = 70;

@@ -296,7 +296,11 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     dq_ring.advance();
     detail::wgmma_wait<0>();  // dK: Q is free
     detail::fence_operands(dk);
-    th.release(bar.q_empty(slot));
+    if constexpr (Tr::kSegments) {
+      mbar_arrive(bar.q_empty(slot));  // every thread (kQEmptyArrivals)
+    } else {
+      th.release(bar.q_empty(slot));
+    }
     ring.advance();
     ds_ring.advance();
     blk = next;

@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (threadIdx.x == 0) {
     mbar_init(bar.kv_full(), 1);
     for (int slot = 0; slot < Tr::kStages; ++slot) {
-      mbar_init(bar.q_full(slot), 1);
-      mbar_init(bar.q_empty(slot), Tr::kReleaseArrivals);
+      mbar_init(bar.q_full(slot), Tr::kQFullArrivals);
+      mbar_init(bar.q_empty(slot), Tr::kQEmptyArrivals);
       mbar_init(bar.do_full(slot), 1);
       mbar_init(bar.do_empty(slot), Tr::kReleaseArrivals);
     }

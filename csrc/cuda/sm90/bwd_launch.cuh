@@ -19,8 +19,8 @@ namespace dmattn::cuda::sm90 {
 // 3.68 ms, causal 1.55 vs 2.16; D = 64 B4 H32 3.98 vs 4.16, causal 2.23 vs 2.42).
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
-// True when the kernel takes the call: dense attention with lengths, causality or a window,
-// GQA / MQA, a mask and a bias (no index masks, window table or softcap), dQ through the
+// True when the kernel takes the call: dense attention with lengths, causality or a window, GQA /
+// MQA, a mask, a bias and segment ids (no O(L) mask forms, window table or softcap), dQ through the
 // accumulator (deterministic calls: in turns, with the flags of the workspace), operands TMA can
 // address. The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
@@ -38,8 +38,13 @@ inline bool Takes(const BwdLaunch& l) {
       p.dbias_mode == kDbiasNone || (p.dbias_mode == kDbiasDirect && p.dbias_staged);
   const bool bias_ok = p.bias == nullptr || (p.s.bias.col_stride == 1 && p.s.seqlen_k % 8 == 0 &&
                                              aligned(p.bias) && p.compute_dq && dbias_ok);
+  // Segment ids as mask bits the loader writes (kBlockIndexed): beside one dQ stage, with no
+  // mask or bias (BwdTraitsSm90::kSegments).
+  const bool segments_ok =
+      IndexKindOf(p) == kNoIndex || (IndexKindOf(p) == kSegmentIds && p.mask == nullptr &&
+                                     p.bias == nullptr && p.compute_dq);
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
-         IndexKindOf(p) == kNoIndex &&
+         segments_ok &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&

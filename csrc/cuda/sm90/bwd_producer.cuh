@@ -1,18 +1,54 @@
-// Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by
-// TMA once, then per queued query block Q with its lse rows (and mask bits; its bias tile, in its
-// dS slot) and dO with its D rows by TMA into the next ring slot, each slot once the
-// consumers have released it (lse and D are read as flat vectors: a block's rows start anywhere,
-// its box on the 16-byte boundary below; the consumers mask the rows past its length). Warp 1
-// (warps 1 and 2 in turn, deterministic): each block's dQ stage, once both consumers have
-// written it, added to the fp32 accumulator with one bulk reduction (in turn with the other key
-// blocks in a deterministic call), then handed back; with a full-size dbias, the block's dS
-// tile stored into it too, after which the warp releases the dS slot with the consumers. Warp 3
-// walks the blocks and queues them (schedule, bwd_scheduler.cuh).
+// Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by TMA
+// once, then per queued query block Q with its lse rows (and mask bits, or those of its segment
+// ids, written by the warp; its bias tile, in its dS slot) and dO with its D rows by TMA into the
+// next ring slot, each slot once the consumers have released it (lse and D are read as flat
+// vectors: a block's rows start anywhere, its box on the 16-byte boundary below; the consumers mask
+// the rows past its length). Warp 1 (warps 1 and 2 in turn, deterministic): each block's dQ stage,
+// once both consumers have written it, added to the fp32 accumulator with one bulk reduction (in
+// turn with the other key blocks in a deterministic call), then handed back; with a full-size
+// dbias, the block's dS tile stored into it too, after which the warp releases the dS slot with the
+// consumers. Warp 3 walks the blocks and queues them (schedule, bwd_scheduler.cuh).
 #pragma once
 
 #include "cuda/sm90/bwd_scheduler.cuh"
 
 namespace dmattn::cuda::sm90 {
+
+// The mask bits of a block whose tile holds more than one segment id (kBlockIndexed), as the
+// consumers read a mask's (apply_mask_t; BM rows of BN / 8 bytes): bit k of row r where query
+// m0 + r and key n0 + k share an id. Lane l takes rows 2 l, 2 l + 1 and the ids of keys l + 32 j
+// (the ids straight from memory; rare blocks in packed batches). Rows and keys past the ends
+// read the last id; the consumers' bounds test hides them. Warp-wide.
+template <typename Tr>
+__device__ __forceinline__ void write_segment_bits(const BwdParams& p, const QueuedBlock& blk,
+                                                   int n0, uint8_t* tile) {
+  static_assert(Tr::BM == 64 && Tr::BN == 128, "two rows a lane, a row of four 32-bit words");
+  const int lane = threadIdx.x & 31;
+  const int32_t* q_ids = detail::q_segment_row(p, blk.b);
+  const int32_t* kv_ids = detail::kv_segment_row(p, blk.b);
+  const int last_q = static_cast<int>(p.s.seqlen_q) - 1;
+  const int last_k = static_cast<int>(p.s.seqlen_k) - 1;
+  int row_id[2], key_id[4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_id[r] = __ldg(q_ids + min(blk.m0 + 2 * lane + r, last_q));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) key_id[j] = __ldg(kv_ids + min(n0 + 32 * j + lane, last_k));
+  uint32_t words[2][4] = {};
+#pragma unroll 1
+  for (int k = 0; k < 32; ++k) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int id = __shfl_sync(0xffffffffu, key_id[j], k);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) words[r][j] |= uint32_t{id == row_id[r]} << k;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    *reinterpret_cast<uint4*>(tile + (2 * lane + r) * (Tr::BN / 8)) =
+        make_uint4(words[r][0], words[r][1], words[r][2], words[r][3]);
+  }
+}
 
 template <typename Tr>
 __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
@@ -80,17 +116,21 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
   RingPos<Tr::kDsSlots> ds_ring;
   for_each_queued_block<Tr, QueuedBlock>(queue, [&](const QueuedBlock& blk) {
     const int slot = ring.slot;
-    const uint32_t mask_bytes = blk.flags & kBlockMasked ? mask_rows * (BN / 8) : 0;
+    const bool indexed = Tr::kSegments && (blk.flags & kBlockIndexed);
+    const uint32_t mask_bytes =
+        (blk.flags & kBlockMasked) && !indexed ? mask_rows * (BN / 8) : 0;
     if (Tr::kBias) mbar_wait(bar.ds_empty(ds_ring.slot), ds_ring.parity ^ 1);
     mbar_wait(bar.q_empty(slot), ring.parity ^ 1);
+    uint8_t* mask_slot = smem + Tr::kOffMask + slot * Tr::kMaskBytes;
+    if (indexed) write_segment_bits<Tr>(p, blk, w.n0, mask_slot);
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
               &P.lse_tma, bar.q_full(slot), blk, mask_bytes + bias_bytes);
+    if (Tr::kSegments && !leader) mbar_arrive(bar.q_full(slot));  // each lane: kQFullArrivals
     if (leader && Tr::kBias) load_bias(slot, ds_ring.slot, bar.q_full(slot), blk);
     ds_ring.advance();
     if (leader && mask_bytes > 0) {  // the block's mask bits, with Q
-      tma_load(smem + Tr::kOffMask + slot * Tr::kMaskBytes, &P.mask_tma, bar.q_full(slot),
-               w.n0 / 8, P.mask_tiles.one_row ? 0 : blk.m0,
-               P.mask_tiles.head_coord(s.mask, blk.h),
+      tma_load(mask_slot, &P.mask_tma, bar.q_full(slot), w.n0 / 8,
+               P.mask_tiles.one_row ? 0 : blk.m0, P.mask_tiles.head_coord(s.mask, blk.h),
                P.mask_tiles.batch_coord(s.mask, s.batch, blk.b));
     }
     mbar_wait(bar.do_empty(slot), ring.parity ^ 1);

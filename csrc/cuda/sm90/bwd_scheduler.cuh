@@ -1,18 +1,21 @@
 // The work of one CTA of the Hopper backward: its key block, kv head and dk / dv class (the
-// FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs:
-// for every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's
-// query heads), the query blocks whose rows see some key of the block by lengths and position
-// and whose tile the mask does not hide entirely (its block map, read 32 tiles at a time by
-// TileWalk). A scheduler warp walks them and queues each block with what the other roles need of
-// it (QueuedBlock: the consumers' rows, lengths and mask, the loader's and the dQ warps'
-// coordinates), so that neither the consumers' nor the loader's registers carry the walk. With
-// a mask, the CTAs take the key blocks heaviest first (the block order of launch_template.cuh);
-// deterministic calls fix the order in which the key blocks add to a query block's dQ: from the
-// last key block down.
+// FlashAttention-2-class backward's grid, bwd_cta), and the sequence of query blocks it runs: for
+// every (batch, query head) pair that reads its kv slot (the class's batches x the kv head's query
+// heads), the query blocks whose rows see some key of the block by lengths and position and whose
+// tile neither the mask (its block map) nor the segment ids (their spans, segments.cuh) hide
+// entirely, read 32 tiles at a time by TileWalk. A scheduler warp walks them and queues each block
+// with what the other roles need of it (QueuedBlock: the consumers' rows, lengths and mask, the
+// loader's and the dQ warps' coordinates), so that neither the consumers' nor the loader's
+// registers carry the walk. With a mask, the CTAs take the key blocks heaviest first (the block
+// order of launch_template.cuh); deterministic calls fix the order in which the key blocks add to a
+// query block's dQ: from the last key block down.
 #pragma once
+
+#include <type_traits>
 
 #include "cuda/block_map.cuh"
 #include "cuda/bwd_kernel.cuh"
+#include "cuda/segments.cuh"
 #include "cuda/sm90/bwd_traits.cuh"
 
 namespace dmattn::cuda::sm90 {
@@ -32,7 +35,8 @@ struct BwdBlock {
   int m0;
   detail::SeqLens lens;
   uint32_t lse_base;  // the pair's first lse / D row (modulo 2^32: TMA coordinates are 32-bit)
-  int mask_flags;     // of its tile (block_map.cuh): kTileAll, its mask bits need no load
+  int tile_flags;     // of its tile (QueryFlags): kTileAll, its mask bits need no load;
+                      // kTileIndexed, its ids need comparing
 };
 
 // The CTAs of a deterministic call. The key blocks of a (kv head, class) slot add to a query
@@ -76,12 +80,40 @@ __device__ __forceinline__ void query_blocks_of(const BwdCtaWork& w, int n0,
   detail::query_blocks_seeing<Tr::BM, Tr::BN, false>(n0, L, rule, m_first, m_last);
 }
 
-// The mask's flags of the tile of query block m0 and the key block at n0 of (batch b, query
-// head h): all visible without a mask.
+// The flags of the tiles of the key block at n0 with query block t (TileWalk's FlagsOf) of one
+// (batch, query head) that has a mask or (kSegments kernels) segment ids: the mask's (all
+// visible without one), and-ed with what the ids leave visible.
 template <typename Tr>
-__device__ __forceinline__ int mask_tile_flags(const BwdParams& p, int64_t b, int h, int m0,
-                                               int n0) {
-  if (p.mask == nullptr) return detail::kTileAny | detail::kTileAll;
+struct QueryFlags {
+  using MaskFlags = detail::QueryTileFlags<Tr::BM, Tr::BN>;
+  using Tiles = std::conditional_t<Tr::kSegments,
+                                   detail::SegmentedTileFlags<MaskFlags, Tr::BM, false>, MaskFlags>;
+  Tiles tiles;
+  __device__ __forceinline__ QueryFlags(const BwdParams& p, int64_t b, int h, int n0)
+      : tiles(make(p, b, h, n0)) {}
+  __device__ __forceinline__ int operator()(int t) const { return tiles(t); }
+  // Whether the call's tiles may be hidden at all (else every one is visible, all true).
+  static __device__ __forceinline__ bool may_hide(const BwdParams& p) {
+    return Tr::kSegments || p.mask != nullptr;
+  }
+
+ private:
+  static __device__ __forceinline__ Tiles make(const BwdParams& p, int64_t b, int h, int n0) {
+    const MaskFlags mask{detail::MaskMapView(p.mask_map, p.s, b, h), n0};
+    if constexpr (Tr::kSegments) {
+      const detail::SegmentSpansView spans(p.segment_spans, p.s, b);
+      return {mask, p.mask != nullptr, spans, spans.keys<Tr::BN>(n0)};
+    } else {
+      return mask;
+    }
+  }
+};
+
+// The flags of the tile of query block m0 and the key block at n0 of (batch b, query head h).
+template <typename Tr>
+__device__ __forceinline__ int tile_flags(const BwdParams& p, int64_t b, int h, int m0, int n0) {
+  if (!QueryFlags<Tr>::may_hide(p)) return detail::kTileAny | detail::kTileAll;
+  if constexpr (Tr::kSegments) return QueryFlags<Tr>(p, b, h, n0)(m0 / Tr::BM);
   return detail::MaskMapView(p.mask_map, p.s, b, h).tile<Tr::BM, Tr::BN>(m0, n0);
 }
 
@@ -99,11 +131,11 @@ __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const B
     blk.lse_base = static_cast<uint32_t>(p.s.lse_offset(blk.b, blk.h));
     int m_first, m_last;
     query_blocks_of<Tr>(w, w.n0, blk.lens, &m_first, &m_last);
-    auto walk = detail::query_block_walk<Tr::BM, Tr::BN>(
-        detail::MaskMapView(p.mask_map, p.s, blk.b, blk.h), p.mask != nullptr, w.n0, m_last);
+    detail::TileWalk<1, QueryFlags<Tr>> walk(QueryFlags<Tr>::may_hide(p),
+                                             QueryFlags<Tr>(p, blk.b, blk.h, w.n0), m_last + 1);
 #pragma unroll 1
-    for (int m = walk.next(m_first, &blk.mask_flags); m <= m_last;
-         m = walk.next(m + 1, &blk.mask_flags)) {
+    for (int m = walk.next(m_first, &blk.tile_flags); m <= m_last;
+         m = walk.next(m + 1, &blk.tile_flags)) {
       blk.m0 = m * Tr::BM;
       f(blk);
     }
@@ -120,7 +152,7 @@ __device__ __forceinline__ bool next_key_block_sees(const BwdParams& p, const Bw
   query_blocks_of<Tr>(w, n0, blk.lens, &m_first, &m_last);
   const int m = blk.m0 / Tr::BM;
   return m_first <= m && m <= m_last &&
-         (mask_tile_flags<Tr>(p, blk.b, blk.h, blk.m0, n0) & detail::kTileAny);
+         (tile_flags<Tr>(p, blk.b, blk.h, blk.m0, n0) & detail::kTileAny);
 }
 
 // The block as the other roles need it: the consumers' rows, lengths, lse / D shift and mask,
@@ -134,8 +166,11 @@ __device__ __forceinline__ QueuedBlock queued_block(const BwdParams& p, const Bw
   const uint32_t first_row = blk.lse_base + static_cast<uint32_t>(blk.m0);
   q.row_shift = static_cast<uint16_t>(first_row & 3);
   q.lse_box = static_cast<int>(first_row & ~3u);
-  if (Tr::kMasks && p.mask != nullptr && !(blk.mask_flags & detail::kTileAll)) {
+  if (Tr::kMasks && p.mask != nullptr && !(blk.tile_flags & detail::kTileAll)) {
     q.flags |= kBlockMasked;
+  }
+  if (Tr::kSegments && (blk.tile_flags & detail::kTileIndexed)) {
+    q.flags |= kBlockMasked | kBlockIndexed;
   }
   if (p.dq_turns != nullptr && next_key_block_sees<Tr>(p, w, blk)) q.flags |= kBlockWaits;
   q.b = static_cast<int>(blk.b);

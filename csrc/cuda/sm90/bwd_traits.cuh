@@ -46,7 +46,7 @@ struct QueuedRows {  // the consumers'
   int m0;            // its first query row; -1: the walk is over
   detail::SeqLens lens;
   uint16_t row_shift;  // of its first lse / D row in their slots
-  uint16_t flags;      // kBlockMasked | kBlockWaits
+  uint16_t flags;      // kBlockMasked | kBlockWaits | kBlockIndexed
 };
 struct QueuedBlock : QueuedRows {  // the loader's and the dQ warps'
   int b, h;                         // its (batch, query head)
@@ -54,6 +54,9 @@ struct QueuedBlock : QueuedRows {  // the loader's and the dQ warps'
 };
 constexpr int kBlockMasked = 1;  // its mask bits come with its Q (a tile partly hidden)
 constexpr int kBlockWaits = 2;   // deterministic: the next key block adds to its dQ first
+// Its tile holds more than one segment id: the loader writes the bits of the pairs that share
+// one as the block's mask bits (with kBlockMasked; calls with segment ids have no mask: Takes).
+constexpr int kBlockIndexed = 4;
 
 // Named barriers (0 is __syncthreads'): both consumers' dS of a block stored; the consumers'
 // epilogue; per dQ stage, the stage free / written (the consumers and the stage's dQ warp).
@@ -67,13 +70,16 @@ constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 // kDqStages_: dQ stages, each reduced by a dQ warp of its own (warps 1, 2), the blocks taking
 // them in turn. Deterministic calls take two, so that their turns (round trips through L2)
 // overlap; the others one (a second stage made them 1-2 % slower on an H100). kBias_: the call
-// has a bias (without, none of its code takes registers from the consumers).
-template <int D_, int kDqStages_ = 1, bool kBias_ = false>
+// has a bias (without, none of its code takes registers from the consumers). kSegments_: it has
+// segment ids, applied as mask bits (kBlockIndexed; a kernel of its own: their walk and bits in
+// every kernel moved the others' register allocation, the biased consumers into spills).
+template <int D_, int kDqStages_ = 1, bool kBias_ = false, bool kSegments_ = false>
 struct BwdTraitsSm90 {
   static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;  // Q / dO ring slots
   static constexpr int kDqStages = kDqStages_;
+  static constexpr bool kSegments = kSegments_;
   static constexpr bool kBias = kBias_;
   // 56 + 2 x 224 registers of the launch's 3 x 168: the producer warpgroup's scheduler and
   // loader spilled at 24 (local traffic beside the consumers' shared memory: D64 backward 6 %
@@ -117,6 +123,7 @@ struct BwdTraitsSm90 {
   // calls (two dQ stages) have no room for them at D = 128: with a mask they run the
   // FlashAttention-2-class backward (Takes).
   static constexpr bool kMasks = kDqStages == 1;
+  static_assert(!kSegments || (kMasks && !kBias), "segment ids as mask bits, without a bias");
   static_assert(!kBias || kDqStages == 1, "a bias beside one dQ stage (Takes)");
   static constexpr uint32_t kMaskBytes = BM * BN / 8;
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
@@ -148,6 +155,11 @@ struct BwdTraitsSm90 {
   // Every consumer warp releases a ring slot once its wgmmas have read it; a queue slot, every
   // thread of the consumers, the dQ warps and the loader warp once it has read the block.
   static constexpr int kReleaseArrivals = 4 * kConsumers;
+  // The segment kernel's loader lanes write its mask bits with plain stores: each lane that
+  // writes them arrives on q_full, and every consumer thread that reads them on q_empty (one
+  // arrival for its warp orders no other lane's access: racecheck saw hazards both ways).
+  static constexpr int kQFullArrivals = kSegments ? 32 : 1;
+  static constexpr int kQEmptyArrivals = kSegments ? kConsumerThreads : kReleaseArrivals;
   static constexpr int kQueueArrivals = 32 * (4 * kConsumers + kDqStages + 1);
 };
 
