@@ -14,7 +14,9 @@
 // result for fwd_combine.cuh. With index masks (kIndex: segment ids, key / row ranges, block
 // indices) the walk also skips the blocks they hide, and blocks they leave partly visible test
 // each score (index_masks.cuh). With a window table (kTable) the range is the kv head's band
-// and its sink's blocks, the walk stepping over the gap between them.
+// and its sink's blocks, the walk stepping over the gap between them. Gated calls (gate.cuh) run
+// the kernels of the forms: the scores gain the gate's term with the bias, and the walk passes
+// over the grid blocks the gate threshold drops.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -24,6 +26,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -293,12 +296,34 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       return make_walk().next(n, flags);
     }
   };
-  auto next_block = [&](int n, int* flags) {
+  auto next_visible = [&](int n, int* flags) {
     if constexpr (kTable) {
       return visible.gap.next(n, flags, walk_next);
     } else {
       return walk_next(n, flags);
     }
+  };
+  // The gate (kFormsAndIds kernels): alpha of this thread's rows; the walk passes over the grid
+  // blocks its threshold drops (the tiles nest in the grid's blocks).
+  static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
+  constexpr bool kGated = kIndex == kFormsAndIds;
+  const bool has_gate = kGated && p.alpha != nullptr;
+  const GateView gate(p, b, h);
+  float row_alpha[kGated ? 2 * MT : 1];
+  if (has_gate) {
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) {
+      row_alpha[r] = gate.row(m0 + warp * Tr::kRowsPerWarp + (r >> 1) * 16 + g + (r & 1) * 8);
+    }
+  }
+  auto next_block = [&](int n, int* flags) {
+    int next = next_visible(n, flags);
+    if constexpr (kGated) {
+      while (has_gate && next >= n_lo && !gate.keeps(m0, next * BN)) {
+        next = next_visible(next - 1, flags);
+      }
+    }
+    return next;
   };
 
   // ---- prologue -------------------------------------------------------------------------
@@ -372,6 +397,16 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       for_each_element<MT, NTS>([&](int mt, int t, int e) { sc[mt][t][e] = 0.f; });
     }
     scores_gemm<Tr>(sc, sQ, sK, warp_row0, lane);
+    if constexpr (kGated) {
+      if (has_gate) {  // + logsigmoid(alpha_i delta_j) / scale, with the bias
+        for_each_pair<MT, NTS>([&](int mt, int t, int half) {
+          const int j = n0 + t * 8 + 2 * tq;
+          const float a = row_alpha[2 * mt + half];
+          sc[mt][t][2 * half] += log_sigmoid(a * gate.key(j)) * p.bias_mul;
+          sc[mt][t][2 * half + 1] += log_sigmoid(a * gate.key(j + 1)) * p.bias_mul;
+        });
+      }
+    }
 
     // softcap, then visibility
     if (p.softcap > 0.f) {

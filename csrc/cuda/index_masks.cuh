@@ -15,10 +15,11 @@ namespace dmattn::cuda {
 // (with it, the packed backward ran 1.57 -> 1.64 ms on an H100: registers).
 enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2 };
 
-// The kind of a call's index masks.
+// The kind of a call's index masks; gated calls (gate.cuh) run the kernels of the forms.
 template <typename Params>
 inline int IndexKindOf(const Params& p) {
-  return p.forms.present ? kFormsAndIds : (p.q_segments != nullptr ? kSegmentIds : kNoIndex);
+  return p.forms.present || p.alpha != nullptr ? kFormsAndIds
+                                               : (p.q_segments != nullptr ? kSegmentIds : kNoIndex);
 }
 
 namespace detail {

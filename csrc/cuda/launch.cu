@@ -269,7 +269,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms();
+         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() && !s.has_gate;
 }
 
 bool DecodeTakes(const AttentionShape& s) {
@@ -424,6 +424,9 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
   p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
   p.page_table = shape.pages.present() ? args.page_table : nullptr;
+  p.alpha = shape.has_gate ? args.alpha : nullptr;
+  p.delta = shape.has_gate ? args.delta : nullptr;
+  if (shape.has_gate && (p.alpha == nullptr || p.delta == nullptr)) return cudaErrorInvalidValue;
   p.out = args.out;
   p.out_f32 = args.out_f32;
   p.lse = args.lse;
@@ -506,6 +509,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     return cudaErrorInvalidValue;
   }
   if (args.softmax_d == nullptr) return cudaErrorInvalidValue;
+  if (shape.has_gate) return cudaErrorNotSupported;  // the gate's gradients: not yet (issue 27)
   BwdLaunch l;
   BwdParams& p = l.p;
   p = BwdParams{};

@@ -1,0 +1,86 @@
+// Gated attention in the FlashAttention-2-class kernels (common/params.h: AttentionShape::
+// has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j), and with a threshold a
+// kGateBlockQ x kGateBlockK block of the fixed grid is dropped whole when every alpha_i * delta_j
+// there lies below gate_cut. The kernels of the index masks (kFormsAndIds) run gated calls: the
+// block test rides on their tile walk (index_masks.cuh) and the score term beside their
+// per-score tests, so the other kernels compile none of it.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/kernel_params.h"
+
+namespace dmattn::cuda::detail {
+
+// logsigmoid(x) = min(x, 0) - log1p(e^-|x|): no cancellation on either side (the CPU kernels'
+// form).
+__device__ __forceinline__ float log_sigmoid(float x) {
+  return fminf(x, 0.f) - log1pf(__expf(-fabsf(x)));
+}
+
+// [min, max] of n > 0 floats `stride` apart, in double; both NaN where any value is NaN (the CPU
+// kernels' MinMax: fminf / fmaxf alone would pass a NaN over).
+__device__ __forceinline__ void min_max(const float* x, int n, int64_t stride, double* lo,
+                                        double* hi) {
+  float a = __ldg(x), b = a;
+  bool nan = isnan(a);
+  for (int k = 1; k < n; ++k) {
+    const float v = __ldg(x + k * stride);
+    nan |= isnan(v);
+    a = fminf(a, v);
+    b = fmaxf(b, v);
+  }
+  *lo = nan ? NAN : a;
+  *hi = nan ? NAN : b;
+}
+
+// The gate of one (batch entry b, query head h): alpha of its rows, delta of its kv head's keys.
+struct GateView {
+  const float* alpha;  // row i at alpha[i * heads]
+  const float* delta;  // key j at delta[j * kv_heads]
+  int heads, kv_heads;
+  int rows, cols;  // Lq, Lk: the grid's blocks end there whatever the sequence lengths
+  double cut;      // gate_cut; -inf: no threshold
+
+  template <typename Params>
+  __device__ __forceinline__ GateView(const Params& p, int64_t b, int h)
+      : heads(static_cast<int>(p.s.num_heads)),
+        kv_heads(static_cast<int>(p.s.num_kv_heads)),
+        rows(static_cast<int>(p.s.seqlen_q)),
+        cols(static_cast<int>(p.s.seqlen_k)),
+        cut(p.s.gate_cut) {
+    alpha = p.alpha != nullptr ? p.alpha + p.s.alpha_offset(b, h) : nullptr;
+    delta = p.delta != nullptr
+                ? p.delta + p.s.delta_offset(b, h / static_cast<int>(p.s.heads_per_kv_head()))
+                : nullptr;
+  }
+
+  // alpha_i (0 past the last row: such rows are hidden), delta_j (the last key's past it).
+  __device__ __forceinline__ float row(int i) const {
+    return i < rows ? __ldg(alpha + static_cast<int64_t>(i) * heads) : 0.f;
+  }
+  __device__ __forceinline__ float key(int j) const {
+    return __ldg(delta + static_cast<int64_t>(min(j, cols - 1)) * kv_heads);
+  }
+
+  // Whether the threshold keeps the grid block holding row r0 and key c0: unless every corner
+  // product of alpha's and delta's [min, max] over the block lies below the cut (in double,
+  // exact for float32 values; a NaN corner keeps it, as on the CPU).
+  __device__ __forceinline__ bool keeps(int r0, int c0) const {
+    if (!(cut > -INFINITY)) return true;
+    const int i0 = r0 / static_cast<int>(kGateBlockQ) * static_cast<int>(kGateBlockQ);
+    const int j0 = c0 / static_cast<int>(kGateBlockK) * static_cast<int>(kGateBlockK);
+    double a_lo, a_hi, d_lo, d_hi;
+    min_max(alpha + static_cast<int64_t>(i0) * heads, min(static_cast<int>(kGateBlockQ), rows - i0),
+            heads, &a_lo, &a_hi);
+    min_max(delta + static_cast<int64_t>(j0) * kv_heads,
+            min(static_cast<int>(kGateBlockK), cols - j0), kv_heads, &d_lo, &d_hi);
+    const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (!(corners[k] < cut)) return true;
+    return false;
+  }
+};
+
+}  // namespace dmattn::cuda::detail
