@@ -30,6 +30,11 @@
 // head's band, or with sink keys in the block, of the call's band; with sinks the CTAs run
 // rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
+// Gated calls (gate.cuh) run the kernels of the forms: the gate's term joins S^T after its GEMM,
+// the walk passes over the grid blocks its threshold drops, and its gradients leave by fp32
+// atomics (dalpha: a row's sum over a warp's keys each block; ddelta: a key's sum over a pair's
+// query blocks).
+//
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
 // stored once; shapes whose entries are shared between CTAs -> fp32 atomics into a workspace.
@@ -38,6 +43,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -411,6 +417,11 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
+  // The gate (kFormsAndIds kernels): delta of this thread's phase A keys (key_of(mt, 2 k)) and
+  // their gradient's sums over a pair's query blocks.
+  constexpr bool kGated = kIndex == kFormsAndIds;
+  const bool has_gate = kGated && p.alpha != nullptr;
+  float key_delta[kGated ? MA : 1][2], ddelta_acc[kGated ? MA : 1][2];
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
   // wgmma tiles: the staged dQ block waiting for its bulk reduction, which thread 0 issues after
@@ -446,6 +457,18 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     }
     __syncthreads();
     const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
+    const GateView gate(p, b, h);
+    if constexpr (kGated) {
+      if (has_gate) {
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            key_delta[mt][k] = gate.key(n0 + key_of(mt, 2 * k));
+            ddelta_acc[mt][k] = 0.f;
+          }
+      }
+    }
     int m_first, m_last;
     query_blocks_seeing<BM, BN, kTable>(n0, L, rule, &m_first, &m_last);
 
@@ -493,7 +516,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         return query_block_walk<BM, BN>(map, has_mask, n0, m_last);
       }
     }();
-    auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
+    auto next_block = [&](int m, int* flags) {
+      int next = walk.next(m, flags);
+      if constexpr (kGated) {  // past the grid blocks the gate threshold drops
+        while (has_gate && next <= m_last && !gate.keeps(next * BM, n0)) {
+          next = walk.next(next + 1, flags);
+        }
+      }
+      return next;
+    };
 
     // First active query block; its mask tile (unless all true) loads with its other tiles, and
     // the pair's kv ids with them (read after that block's barrier). A pair without a block
@@ -618,6 +649,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
               }
             }
           }
+        }
+      }
+
+      if constexpr (kGated) {  // S^T += logsigmoid(alpha_i delta_j) / scale, with the bias
+        if (has_gate) {
+          for_each_element<MA, NA>([&](int mt, int t, int e) {
+            const float x = gate.row(m0 + query_of(t, e)) * key_delta[mt][e >> 1];
+            st[mt][t][e] += log_sigmoid(x) * p.bias_mul;
+          });
         }
       }
 
@@ -767,6 +807,33 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
           dp[mt][t][2 * h] *= f.x;
           dp[mt][t][2 * h + 1] *= f.y;
         });
+      }
+      if constexpr (kGated) {
+        // the gate's gradient dS sigmoid(-x): dalpha_i += its sum with delta_j over this warp's
+        // keys (one atomic a row), ddelta_j += its sum with alpha_i (kept over the pair's blocks)
+        if (has_gate) {
+#pragma unroll
+          for (int t = 0; t < NA; ++t)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const int i = m0 + query_of(t, k);
+              const float a = gate.row(i);
+              float da = 0.f;
+#pragma unroll
+              for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk) {
+                  const float d = key_delta[mt][kk];
+                  const float gds = dp[mt][t][2 * kk + k] * log_sigmoid_grad(a * d);
+                  da += gds * d;
+                  ddelta_acc[mt][kk] += gds * a;
+                }
+              da += __shfl_xor_sync(0xffffffffu, da, 4);
+              da += __shfl_xor_sync(0xffffffffu, da, 8);
+              da += __shfl_xor_sync(0xffffffffu, da, 16);
+              if (g == 0 && i < L.q_len && da != 0.f) atomicAdd(p.dalpha + gate.row_index(i), da);
+            }
+        }
       }
       for_each_pair<MA, NA>([&](int mt, int t, int h) {
         const uint32_t packed = E::pack(dp[mt][t][2 * h], dp[mt][t][2 * h + 1]);
@@ -1039,6 +1106,21 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       flags = next_flags;
       if constexpr (kStages == 2) stage ^= 1;
       m = next;
+    }
+
+    if constexpr (kGated) {  // the pair's ddelta sums, over the lanes of a key's other queries
+      if (has_gate) {
+#pragma unroll
+        for (int mt = 0; mt < MA; ++mt)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            float v = ddelta_acc[mt][k];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            const int j = n0 + key_of(mt, 2 * k);
+            if (tq == 0 && j < Lk && v != 0.f) atomicAdd(p.ddelta + gate.key_index(j), v);
+          }
+      }
     }
 
     // Flush the per-key dbias sums when the next pair writes another entry (or at the end).

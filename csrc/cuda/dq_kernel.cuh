@@ -1,7 +1,8 @@
 // Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
 // accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
 // shape.deterministic; the main backward kernel then skips its dQ phase. Index masks
-// (kIndex) and window tables (kTable) act as in the forward (index_masks.cuh, fwd_kernel.cuh).
+// (kIndex), window tables (kTable) and the gate (gate.cuh) act as in the forward
+// (index_masks.cuh, fwd_kernel.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
 // On sm_90a (D = 64, 128) the CTA's four warps are one warpgroup and the GEMMs are wgmmas: S and
 // dP from shared memory, dQ += dS K with dS from registers (a warp's accumulator rows are its
@@ -11,6 +12,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -178,12 +180,31 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
     }
   };
-  auto next_block = [&](int n, int* flags) {
+  auto next_visible = [&](int n, int* flags) {
     if constexpr (kTable) {
       return visible.gap.next(n, flags, walk_next);
     } else {
       return walk_next(n, flags);
     }
+  };
+  // The gate (kFormsAndIds kernels): alpha of this thread's rows; the walk passes over the grid
+  // blocks its threshold drops.
+  constexpr bool kGated = kIndex == kFormsAndIds;
+  const bool has_gate = kGated && p.alpha != nullptr;
+  const GateView gate(p, b, h);
+  float row_alpha[2] = {0.f, 0.f};
+  if (has_gate) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) row_alpha[half] = gate.row(m0 + row0 + half * 8);
+  }
+  auto next_block = [&](int n, int* flags) {
+    int next = next_visible(n, flags);
+    if constexpr (kGated) {
+      while (has_gate && next >= n_lo && !gate.keeps(m0, next * BN)) {
+        next = next_visible(next - 1, flags);
+      }
+    }
+    return next;
   };
   int flags;  // of block n
   int n = next_block(n_hi - 1, &flags);
@@ -277,6 +298,20 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       }
     }
 
+    if constexpr (kGated) {  // + logsigmoid(alpha_i delta_j) / scale, with the bias
+      if (has_gate) {
+#pragma unroll
+        for (int t = 0; t < NTS; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float d = gate.key(n0 + t * 8 + 2 * tq + e);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              sc[t][2 * half + e] += log_sigmoid(row_alpha[half] * d) * p.bias_mul;
+            }
+          }
+      }
+    }
     const bool need_bounds =
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||

@@ -1,5 +1,7 @@
 // Gated attention in the FlashAttention-2-class kernels (common/params.h: AttentionShape::
-// has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j), and with a threshold a
+// has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j) (its gradient dS_ij
+// sigmoid(-alpha_i delta_j) goes to dalpha_i with delta_j and to ddelta_j with alpha_i: fp32
+// atomics, the backward's sums of a row over a CTA's keys and of a key over its query blocks), and with a threshold a
 // kGateBlockQ x kGateBlockK block of the fixed grid is dropped whole when every alpha_i * delta_j
 // there lies below gate_cut. The kernels of the index masks (kFormsAndIds) run gated calls: the
 // block test rides on their tile walk (index_masks.cuh) and the score term beside their
@@ -16,6 +18,12 @@ namespace dmattn::cuda::detail {
 // form).
 __device__ __forceinline__ float log_sigmoid(float x) {
   return fminf(x, 0.f) - log1pf(__expf(-fabsf(x)));
+}
+
+// d logsigmoid(x) / dx = sigmoid(-x), in the form without cancellation on either side.
+__device__ __forceinline__ float log_sigmoid_grad(float x) {
+  const float e = __expf(-fabsf(x));
+  return (x >= 0.f ? e : 1.f) / (1.f + e);
 }
 
 // [min, max] of n > 0 floats `stride` apart, in double; both NaN where any value is NaN (the CPU
@@ -38,6 +46,7 @@ __device__ __forceinline__ void min_max(const float* x, int n, int64_t stride, d
 struct GateView {
   const float* alpha;  // row i at alpha[i * heads]
   const float* delta;  // key j at delta[j * kv_heads]
+  int64_t alpha_entry, delta_entry;  // their offsets in alpha and delta (and their gradients)
   int heads, kv_heads;
   int rows, cols;  // Lq, Lk: the grid's blocks end there whatever the sequence lengths
   double cut;      // gate_cut; -inf: no threshold
@@ -49,10 +58,18 @@ struct GateView {
         rows(static_cast<int>(p.s.seqlen_q)),
         cols(static_cast<int>(p.s.seqlen_k)),
         cut(p.s.gate_cut) {
-    alpha = p.alpha != nullptr ? p.alpha + p.s.alpha_offset(b, h) : nullptr;
-    delta = p.delta != nullptr
-                ? p.delta + p.s.delta_offset(b, h / static_cast<int>(p.s.heads_per_kv_head()))
-                : nullptr;
+    alpha_entry = p.s.alpha_offset(b, h);
+    delta_entry = p.s.delta_offset(b, h / static_cast<int>(p.s.heads_per_kv_head()));
+    alpha = p.alpha != nullptr ? p.alpha + alpha_entry : nullptr;
+    delta = p.delta != nullptr ? p.delta + delta_entry : nullptr;
+  }
+
+  // Where row i's alpha and key j's delta (and their gradients) are.
+  __device__ __forceinline__ int64_t row_index(int i) const {
+    return alpha_entry + static_cast<int64_t>(i) * heads;
+  }
+  __device__ __forceinline__ int64_t key_index(int j) const {
+    return delta_entry + static_cast<int64_t>(j) * kv_heads;
   }
 
   // alpha_i (0 past the last row: such rows are hidden), delta_j (the last key's past it).

@@ -225,9 +225,12 @@ struct BwdParams {
   bool ranks_outer;
   HeadWindows windows;
   MaskForms forms;
-  // The gate (gate.cuh), or null (as FwdParams'); the kernels do not differentiate it yet.
+  // The gate (gate.cuh), or null (as FwdParams'), and its gradients (fp32, zeroed by the
+  // launcher, the kernels add into them).
   const float* alpha;
   const float* delta;
+  float* dalpha;
+  float* ddelta;
 };
 
 }  // namespace dmattn::cuda

@@ -509,7 +509,6 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     return cudaErrorInvalidValue;
   }
   if (args.softmax_d == nullptr) return cudaErrorInvalidValue;
-  if (shape.has_gate) return cudaErrorNotSupported;  // the gate's gradients: not yet (issue 27)
   BwdLaunch l;
   BwdParams& p = l.p;
   p = BwdParams{};
@@ -519,6 +518,27 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.v = args.v;
   p.dout = args.dout;
   p.lse = args.lse;
+  if (shape.has_gate) {  // the kernels add the gate's gradients into zeros
+    if (args.alpha == nullptr || args.delta == nullptr || args.dalpha == nullptr ||
+        args.ddelta == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+    p.alpha = args.alpha;
+    p.delta = args.delta;
+    p.dalpha = args.dalpha;
+    p.ddelta = args.ddelta;
+    const int64_t b = shape.batch_count();
+    if (cudaError_t e = cudaMemsetAsync(p.dalpha, 0, b * shape.seqlen_q * shape.num_heads * 4,
+                                        stream);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaMemsetAsync(p.ddelta, 0,
+                                        b * shape.seqlen_k * shape.num_kv_heads * 4, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   p.softmax_d = args.softmax_d;
   p.mask = shape.mask.present ? reinterpret_cast<const uint8_t*>(args.mask) : nullptr;
   p.bias = shape.bias.present ? args.bias : nullptr;

@@ -151,8 +151,7 @@ struct Case {
   // Gated attention (AttentionShape::has_gate): alpha [B, Lq, H] and delta [B, Lk, Hk] drawn
   // normal with std gate_std. With a cut (gate_cut > -inf), alpha is 0.5 + |normal| and the
   // delta of every odd 128-key block of the grid lies 6 lower, so that the cut drops some grid
-  // blocks whole and keeps the others. Forward only (the CUDA kernels do not differentiate the
-  // gate yet).
+  // blocks whole and keeps the others. dalpha / ddelta are compared too.
   bool gate = false;
   float gate_std = 1.f;
   double gate_cut = -INFINITY;
@@ -505,7 +504,7 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
 // Host reference (double)
 // ---------------------------------------------------------------------------------------------
 struct Ref {
-  std::vector<double> out, lse, dq, dk, dv, dbias;
+  std::vector<double> out, lse, dq, dk, dv, dbias, dalpha, ddelta;
   std::vector<char> empty_row;  // [B, H, Lq]
 };
 
@@ -520,6 +519,8 @@ Ref Reference(const Problem& P) {
   R.dk.assign(P.dkv_elems, 0.0);
   R.dv.assign(P.dkv_elems, 0.0);
   R.dbias.assign(P.dbias_elems, 0.0);
+  R.dalpha.assign(P.alpha.size(), 0.0);
+  R.ddelta.assign(P.delta.size(), 0.0);
   R.empty_row.assign(B * H * Lq, 0);
   std::vector<double> qd(P.q.size()), kd(P.k.size()), vd(P.v.size()), dod(P.dout.size()),
       bd(P.bias.size());
@@ -574,7 +575,7 @@ Ref Reference(const Problem& P) {
         if (!(corner < s.gate_cut)) return true;
       return false;
     };
-    std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0);
+    std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0), dd_l(alpha ? Lk : 0, 0.0);
     std::vector<std::pair<int64_t, double>> db_l;
     std::vector<double> sc(Lk), p(Lk), tt(Lk), dp(Lk);
     std::vector<char> vis(Lk);
@@ -662,6 +663,12 @@ Ref Reference(const Problem& P) {
         }
         if (s.bias.present)
           db_l.push_back({dbo + i * s.dbias.row_stride + j * s.dbias.col_stride, ds});
+        if (alpha != nullptr) {  // d logsigmoid(x) = sigmoid(-x) dx, x = alpha_i delta_j
+          const double x = static_cast<double>(alpha[i * H]) * delta[j * Hk];
+          const double gds = ds / (1.0 + std::exp(x));
+          R.dalpha[s.alpha_offset(b, h) + i * H] += gds * delta[j * Hk];  // row (b, h, i): this task's
+          dd_l[j] += gds * alpha[i * H];
+        }
       }
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -671,6 +678,8 @@ Ref Reference(const Problem& P) {
         R.dv[dkvo + j * s.kv_row_stride() + e] += dv_l[j * D + e];
       }
     for (auto& x : db_l) R.dbias[x.first] += x.second;
+    for (int64_t j = 0; j < static_cast<int64_t>(dd_l.size()); ++j)
+      R.ddelta[s.delta_offset(b, hk) + j * Hk] += dd_l[j];
   };
   const int64_t tasks = B * H;
   const int nth = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
@@ -710,7 +719,7 @@ void* Poisoned(size_t bytes) {
 
 struct DeviceOut {
   std::vector<uint16_t> out, dq, dk, dv, dbias;
-  std::vector<float> lse;
+  std::vector<float> lse, dalpha, ddelta;
 };
 
 struct Err {
@@ -727,6 +736,19 @@ Err Compare16(const std::vector<uint16_t>& x, const std::vector<double>& ref, co
     const double v = dt.dec(x[i]);
     if (!std::isfinite(v)) e.nan = true;
     num += (v - ref[i]) * (v - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  e.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return e;
+}
+
+// fp32 results (the gate's gradients): relative RMS error, as Compare16.
+Err Compare32(const std::vector<float>& x, const std::vector<double>& ref) {
+  Err e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(x[i])) e.nan = true;
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
     den += ref[i] * ref[i];
   }
   e.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
@@ -877,6 +899,12 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.row_start = in.row_start;
   ba.row_end = in.row_end;
   ba.block_indices = in.block_indices;
+  ba.alpha = in.alpha;
+  ba.delta = in.delta;
+  float* dalpha = P.alpha.empty() ? nullptr : static_cast<float*>(Poisoned(P.alpha.size() * 4));
+  float* ddelta = P.delta.empty() ? nullptr : static_cast<float*>(Poisoned(P.delta.size() * 4));
+  ba.dalpha = dalpha;
+  ba.ddelta = ddelta;
   ba.dq = dq;
   ba.dk = dk;
   ba.dv = dv;
@@ -892,7 +920,10 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
   r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
   if (dbias) r->dbias = Download(static_cast<uint16_t*>(dbias), P.dbias_elems);
-  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1})
+  if (dalpha) r->dalpha = Download(dalpha, P.alpha.size());
+  if (ddelta) r->ddelta = Download(ddelta, P.delta.size());
+  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1, static_cast<void*>(dalpha),
+                  static_cast<void*>(ddelta)})
     if (p) CK(cudaFree(p));
 }
 
@@ -1450,7 +1481,7 @@ std::vector<Case> AllCases() {
     c.block_k = 200; c.block_slots = 6; add(c);
   }
   {
-    // gated attention (forward only): exact, and with a cut that drops every odd grid key block
+    // gated attention: exact, and with a cut that drops every odd grid key block
     Case c; c.name = "gate_q300_k520_d128_gqa_causal_mask_bias"; c.batch = {2}; c.H = 4;
     c.Hk = 2; c.Lq = 300; c.Lk = 520; c.D = 128; c.causal = true; c.gate = true;
     c.mask = Op({2}, 4, true, true); c.bias = Op({1}, 4, true, true); add(c);
@@ -1464,6 +1495,9 @@ std::vector<Case> AllCases() {
     c = Case(); c.name = "gate_cut_q333_k400_d64_segments_key_ranges"; c.H = 2; c.Hk = 2;
     c.Lq = 333; c.Lk = 400; c.D = 64; c.gate = true; c.gate_cut = -1.5; c.seg_docs = 3;
     c.key_ranges = Form({1}, 1); add(c);
+    c = Case(); c.name = "gate_cut_det_q300_k400_d128_causal_dlse"; c.H = 4; c.Hk = 1;
+    c.Lq = 300; c.Lk = 400; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
+    c.deterministic = true; c.dlse = true; add(c);
   }
   {
     // the decode forward (Lq <= 16): the query heads of a kv head packed into one tile; 16 rows
@@ -2133,17 +2167,6 @@ int main(int argc, char** argv) {
     std::printf("%-36s %-4s %8.1e %8.1e ", label.c_str(), c.bf16 ? "bf16" : "fp16", eo.rel,
                 el.rel);
     std::fflush(stdout);
-    if (c.gate) {  // forward only: the CUDA backward refuses a gate for now
-      FreeFwd(f);
-      FreeInputs(in);
-      const bool nan = eo.nan || el.nan;
-      const bool ok = !nan && zero_ok && eo.rel <= 1e-2 && el.rel <= 5e-2;
-      if (!ok) ++failures;
-      std::printf("%8s %8s %8s %8s %5s %s%s%s (forward only)\n", "-", "-", "-", "-", "-",
-                  ok ? "PASS" : "FAIL", nan ? " (NaN/inf)" : "",
-                  zero_ok ? "" : " (masked row not zero)");
-      continue;
-    }
     RunBackwardDevice(P, in, f, &o, nullptr, 0);
     DeviceOut plain;  // the same backward in plain key-block order: both paths must pass
     RunBackwardDevice(P, in, f, &plain, nullptr, 0, false);
@@ -2207,6 +2230,11 @@ int main(int argc, char** argv) {
     Err eb;
     if (checks_dbias) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
+    }
+    if (c.gate) {  // the dbias column: with a gate, the worst of dbias, dalpha and ddelta
+      for (const DeviceOut* d : {&o, &plain}) {
+        eb = Worse(eb, Worse(Compare32(d->dalpha, R.dalpha), Compare32(d->ddelta, R.ddelta)));
+      }
     }
     if (flash2_bwd) {
       eq = Worse(eq, Compare16(flash2.dq, R.dq, P.dt));
