@@ -98,21 +98,21 @@ def assert_equals_dense_with_every_rule(rng, q, k, v, form, dense):
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6)
 
-def assert_cuda_refuses(params, reason, **form):
+def assert_cuda_refuses(params, reason):
     """With a (fake) CUDA build that has kernels for the call, ``ops.uses_kernel`` refuses
-    `params` with `form` (its keyword flags, e.g. ``has_gate=True``): None warns once naming
-    `reason`, then stays silent; implementation="cuda" raises; the CPU kernels take the call."""
+    `params`: None warns once naming `reason`, then stays silent; implementation="cuda" raises;
+    the CPU kernels take the call."""
     from jax_dmattn import ops
 
     call = (jnp.bfloat16, 128)
     with pytest.warns(RuntimeWarning, match=reason):
-        assert not ops.uses_kernel("cuda", params, *call, **form)
+        assert not ops.uses_kernel("cuda", params, *call)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, *call, **form)
+        assert not ops.uses_kernel("cuda", params, *call)
     with pytest.raises(ValueError, match=reason):
-        ops.uses_kernel("cuda", dataclasses.replace(params, implementation="cuda"), *call, **form)
-    assert ops.uses_kernel("cpu", params, *call, **form)
+        ops.uses_kernel("cuda", dataclasses.replace(params, implementation="cuda"), *call)
+    assert ops.uses_kernel("cpu", params, *call)
 
 
 def lower_for_cuda(q, k, v, *mask, **kw):
