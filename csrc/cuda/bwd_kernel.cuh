@@ -31,9 +31,9 @@
 // rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
 // Gated calls (gate.cuh) run the kernels of the forms: the gate's term joins S^T after its GEMM,
-// the walk passes over the grid blocks its threshold drops, and its gradients leave by fp32
-// atomics (dalpha: a row's sum over a warp's keys each block; ddelta: a key's sum over a pair's
-// query blocks).
+// the walk passes over the grid blocks its threshold drops, and its gradients are summed from
+// each block's dS tile once it is in shared memory (add_gate_grads: computed beside the S^T and
+// dP^T fragments, they doubled these kernels' spills).
 //
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
@@ -417,11 +417,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
-  // The gate (kFormsAndIds kernels): delta of this thread's phase A keys (key_of(mt, 2 k)) and
-  // their gradient's sums over a pair's query blocks.
+  // The gate (kFormsAndIds kernels): alpha and delta read from memory where they are used.
   constexpr bool kGated = kIndex == kFormsAndIds;
   const bool has_gate = kGated && p.alpha != nullptr;
-  float key_delta[kGated ? MA : 1][2], ddelta_acc[kGated ? MA : 1][2];
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
   // wgmma tiles: the staged dQ block waiting for its bulk reduction, which thread 0 issues after
@@ -457,18 +455,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     }
     __syncthreads();
     const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
-    const GateView gate(p, b, h);
-    if constexpr (kGated) {
-      if (has_gate) {
-#pragma unroll
-        for (int mt = 0; mt < MA; ++mt)
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            key_delta[mt][k] = gate.key(n0 + key_of(mt, 2 * k));
-            ddelta_acc[mt][k] = 0.f;
-          }
-      }
-    }
+    // made where it is read: kept across the blocks, its fields took registers
+    auto gate = [&] { return GateView(p, b, h); };
     int m_first, m_last;
     query_blocks_seeing<BM, BN, kTable>(n0, L, rule, &m_first, &m_last);
 
@@ -519,7 +507,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     auto next_block = [&](int m, int* flags) {
       int next = walk.next(m, flags);
       if constexpr (kGated) {  // past the grid blocks the gate threshold drops
-        while (has_gate && next <= m_last && !gate.keeps(next * BM, n0)) {
+        while (has_gate && next <= m_last && !gate().keeps(next * BM, n0)) {
           next = walk.next(next + 1, flags);
         }
       }
@@ -654,8 +642,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
       if constexpr (kGated) {  // S^T += logsigmoid(alpha_i delta_j) / scale, with the bias
         if (has_gate) {
+          const GateView gv = gate();
           for_each_element<MA, NA>([&](int mt, int t, int e) {
-            const float x = gate.row(m0 + query_of(t, e)) * key_delta[mt][e >> 1];
+            const float x = gv.row(m0 + query_of(t, e)) * gv.key(n0 + key_of(mt, e));
             st[mt][t][e] += log_sigmoid(x) * p.bias_mul;
           });
         }
@@ -808,33 +797,6 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
           dp[mt][t][2 * h + 1] *= f.y;
         });
       }
-      if constexpr (kGated) {
-        // the gate's gradient dS sigmoid(-x): dalpha_i += its sum with delta_j over this warp's
-        // keys (one atomic a row), ddelta_j += its sum with alpha_i (kept over the pair's blocks)
-        if (has_gate) {
-#pragma unroll
-          for (int t = 0; t < NA; ++t)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              const int i = m0 + query_of(t, k);
-              const float a = gate.row(i);
-              float da = 0.f;
-#pragma unroll
-              for (int mt = 0; mt < MA; ++mt)
-#pragma unroll
-                for (int kk = 0; kk < 2; ++kk) {
-                  const float d = key_delta[mt][kk];
-                  const float gds = dp[mt][t][2 * kk + k] * log_sigmoid_grad(a * d);
-                  da += gds * d;
-                  ddelta_acc[mt][kk] += gds * a;
-                }
-              da += __shfl_xor_sync(0xffffffffu, da, 4);
-              da += __shfl_xor_sync(0xffffffffu, da, 8);
-              da += __shfl_xor_sync(0xffffffffu, da, 16);
-              if (g == 0 && i < L.q_len && da != 0.f) atomicAdd(p.dalpha + gate.row_index(i), da);
-            }
-        }
-      }
       for_each_pair<MA, NA>([&](int mt, int t, int h) {
         const uint32_t packed = E::pack(dp[mt][t][2 * h], dp[mt][t][2 * h + 1]);
         *reinterpret_cast<uint32_t*>(sdS + pair_offset(mt, t, h)) = packed;
@@ -927,6 +889,13 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         if (tid == 0) bulk_wait_read();  // the dQ stage was read
       }
       __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
+      if constexpr (kGated) {  // the gate's gradients from the dS tile, few registers live
+        if (has_gate) {
+          add_gate_grads<BN, BM, NT>(
+              gate(), p.dalpha, p.ddelta, n0, m0, L.kv_len, L.q_len,
+              [&](int j, int i) { return E::to_float(sdS[TileP::off(j, i)]); }, tid);
+        }
+      }
       if (db_staged) {
         T* dbg = static_cast<T*>(p.dbias) + pp.dbias_entry +
                  static_cast<int64_t>(m0) * dop.row_stride + n0;
@@ -1106,21 +1075,6 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       flags = next_flags;
       if constexpr (kStages == 2) stage ^= 1;
       m = next;
-    }
-
-    if constexpr (kGated) {  // the pair's ddelta sums, over the lanes of a key's other queries
-      if (has_gate) {
-#pragma unroll
-        for (int mt = 0; mt < MA; ++mt)
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            float v = ddelta_acc[mt][k];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            const int j = n0 + key_of(mt, 2 * k);
-            if (tq == 0 && j < Lk && v != 0.f) atomicAdd(p.ddelta + gate.key_index(j), v);
-          }
-      }
     }
 
     // Flush the per-key dbias sums when the next pair writes another entry (or at the end).

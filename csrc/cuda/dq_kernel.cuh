@@ -191,16 +191,16 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   // blocks its threshold drops.
   constexpr bool kGated = kIndex == kFormsAndIds;
   const bool has_gate = kGated && p.alpha != nullptr;
-  const GateView gate(p, b, h);
+  auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
   float row_alpha[2] = {0.f, 0.f};
   if (has_gate) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) row_alpha[half] = gate.row(m0 + row0 + half * 8);
+    for (int half = 0; half < 2; ++half) row_alpha[half] = gate().row(m0 + row0 + half * 8);
   }
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
     if constexpr (kGated) {
-      while (has_gate && next >= n_lo && !gate.keeps(m0, next * BN)) {
+      while (has_gate && next >= n_lo && !gate().keeps(m0, next * BN)) {
         next = next_visible(next - 1, flags);
       }
     }
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
         for (int t = 0; t < NTS; ++t)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float d = gate.key(n0 + t * 8 + 2 * tq + e);
+            const float d = gate().key(n0 + t * 8 + 2 * tq + e);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               sc[t][2 * half + e] += log_sigmoid(row_alpha[half] * d) * p.bias_mul;

@@ -308,18 +308,18 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
   constexpr bool kGated = kIndex == kFormsAndIds;
   const bool has_gate = kGated && p.alpha != nullptr;
-  const GateView gate(p, b, h);
+  auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
   float row_alpha[kGated ? 2 * MT : 1];
   if (has_gate) {
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
-      row_alpha[r] = gate.row(m0 + warp * Tr::kRowsPerWarp + (r >> 1) * 16 + g + (r & 1) * 8);
+      row_alpha[r] = gate().row(m0 + warp * Tr::kRowsPerWarp + (r >> 1) * 16 + g + (r & 1) * 8);
     }
   }
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
     if constexpr (kGated) {
-      while (has_gate && next >= n_lo && !gate.keeps(m0, next * BN)) {
+      while (has_gate && next >= n_lo && !gate().keeps(m0, next * BN)) {
         next = next_visible(next - 1, flags);
       }
     }
@@ -402,8 +402,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
         for_each_pair<MT, NTS>([&](int mt, int t, int half) {
           const int j = n0 + t * 8 + 2 * tq;
           const float a = row_alpha[2 * mt + half];
-          sc[mt][t][2 * half] += log_sigmoid(a * gate.key(j)) * p.bias_mul;
-          sc[mt][t][2 * half + 1] += log_sigmoid(a * gate.key(j + 1)) * p.bias_mul;
+          sc[mt][t][2 * half] += log_sigmoid(a * gate().key(j)) * p.bias_mul;
+          sc[mt][t][2 * half + 1] += log_sigmoid(a * gate().key(j + 1)) * p.bias_mul;
         });
       }
     }

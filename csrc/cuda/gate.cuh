@@ -100,4 +100,40 @@ struct GateView {
   }
 };
 
+// A block's gradients of the gate from its dS tile (ds(j, i): key j, query i of the block, the
+// logits' cotangent, in shared memory), added with fp32 atomics: dalpha_i += sum_j dS_ij
+// sigmoid(-x_ij) delta_j and ddelta_j += sum_i dS_ij sigmoid(-x_ij) alpha_i (x = alpha_i
+// delta_j), NT / BN threads a key and NT / BM a row, each over a slice of the other side.
+template <int BN, int BM, int NT, typename DsAt>
+__device__ __forceinline__ void add_gate_grads(const GateView& gate, float* dalpha, float* ddelta,
+                                               int n0, int m0, int kv_len, int q_len, DsAt ds,
+                                               int tid) {
+  static_assert(NT % BN == 0 && NT % BM == 0, "whole slices of keys and rows");
+  constexpr int kKeySlices = NT / BN, kRowSlices = NT / BM;
+  {
+    const int j = tid % BN, slice = tid / BN;
+    if (n0 + j < kv_len) {
+      const float d = gate.key(n0 + j);
+      float sum = 0.f;
+      for (int i = slice; i < BM && m0 + i < q_len; i += kKeySlices) {
+        const float a = gate.row(m0 + i);
+        sum += ds(j, i) * log_sigmoid_grad(a * d) * a;
+      }
+      if (sum != 0.f) atomicAdd(ddelta + gate.key_index(n0 + j), sum);
+    }
+  }
+  {
+    const int i = tid % BM, slice = tid / BM;
+    if (m0 + i < q_len) {
+      const float a = gate.row(m0 + i);
+      float sum = 0.f;
+      for (int j = slice; j < BN && n0 + j < kv_len; j += kRowSlices) {
+        const float d = gate.key(n0 + j);
+        sum += ds(j, i) * log_sigmoid_grad(a * d) * d;
+      }
+      if (sum != 0.f) atomicAdd(dalpha + gate.row_index(m0 + i), sum);
+    }
+  }
+}
+
 }  // namespace dmattn::cuda::detail
