@@ -120,8 +120,9 @@ def flash_dmattn(
         i.e. when the bound ``max(alpha_i · delta_j)`` over the block, the largest of the
         products of alpha's min / max over its rows and delta's min / max over its keys, is
         below ``gate_threshold - log(1 - exp(gate_threshold))``; kernels of any tile shape drop
-        the same pairs (the bound in double), and so does the reference (``'xla'``) with x64; without x64 it rounds the bound to float32 and also keeps a block
-        whose bound rounds up to the cut. Error: a row whose exact (threshold None) softmax
+        the same pairs (the bound in double), and so does the reference (``'xla'``) with x64;
+        without x64 it rounds the bound to float32 and also keeps a block whose bound rounds up
+        to the cut. Error: a row whose exact (threshold None) softmax
         gives its dropped pairs total probability ``m`` changes by at most ``2m / (1 - m) ·
         max_j |v_j|``, and each dropped pair's weight ``exp(logit)`` is below
         ``exp(gate_threshold)`` times its weight without the gate (without softcap; not its
