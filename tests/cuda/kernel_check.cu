@@ -148,13 +148,15 @@ struct Case {
   // of block_q rows.
   OperandSpec key_ranges, row_ranges, block_indices;
   int64_t block_q = 64, block_k = 64, block_slots = 4;
+  bool key_ranges_all = false;  // every key seen by every row (benchmarks: the forms' kernels)
   // Gated attention (AttentionShape::has_gate): alpha [B, Lq, H] and delta [B, Lk, Hk] drawn
   // normal with std gate_std. With a cut (gate_cut > -inf), alpha is 0.5 + |normal| and the
-  // delta of every odd 128-key block of the grid lies 6 lower, so that the cut drops some grid
-  // blocks whole and keeps the others. dalpha / ddelta are compared too.
+  // delta of the 128-key grid blocks but every gate_keep_every-th lies 6 lower, so that the cut
+  // drops those blocks whole and keeps the others. dalpha / ddelta are compared too.
   bool gate = false;
   float gate_std = 1.f;
   double gate_cut = -INFINITY;
+  int gate_keep_every = 2;
 };
 
 int64_t Prod(const std::vector<int64_t>& v) {
@@ -350,6 +352,10 @@ void MakeForms(const Case& c, std::mt19937_64& rng, Problem* P) {
   if (c.key_ranges.present) {
     s.key_ranges = Layout(c.key_ranges, c, OperandBatch(c.key_ranges, c), 1, c.Lk);
     DrawRanges(rng, s.key_ranges.num_elements / c.Lk, c.Lk, c.Lq, &P->key_start, &P->key_end);
+    if (c.key_ranges_all) {
+      std::fill(P->key_start.begin(), P->key_start.end(), 0);
+      std::fill(P->key_end.begin(), P->key_end.end(), static_cast<int32_t>(c.Lq));
+    }
   }
   if (c.row_ranges.present) {
     s.row_ranges = Layout(c.row_ranges, c, OperandBatch(c.row_ranges, c), c.Lq, 1);
@@ -494,7 +500,8 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
     for (auto& e : P.alpha) e = cut ? 0.5f + std::fabs(nd(rng)) : nd(rng) * c.gate_std;
     for (size_t k = 0; k < P.delta.size(); ++k) {
       const int64_t j = static_cast<int64_t>(k) / c.Hk % c.Lk;
-      P.delta[k] = nd(rng) * c.gate_std - (cut && j / dmattn::kGateBlockK % 2 ? 6.f : 0.f);
+      const bool dropped = cut && j / dmattn::kGateBlockK % c.gate_keep_every != 0;
+      P.delta[k] = nd(rng) * c.gate_std - (dropped ? 6.f : 0.f);
     }
   }
   return P;
@@ -1975,6 +1982,21 @@ void Bench(bool variants, const std::string& only) {
     c.mask = Op({1}, 1, true, true);
     c.block_density = 0.1f;
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L16k H2 Hk1 (dense flops)", c, 0});
+  }
+  {
+    // issue 27: gated attention (the FlashAttention-2-class kernels), exact and with a cut that
+    // drops three of every four grid key blocks, against the same kernels without the gate
+    // (key ranges hiding nothing: the kFormsAndIds kernels that gated calls run)
+    Case c = mk("b12", 1, 16, 16, 16384, 128, true, false, false);
+    c.key_ranges = Form({1}, 1);
+    c.key_ranges_all = true;
+    benches.push_back({"key ranges (all visible) d128 L16k H16 causal", c, 0});
+    c = mk("b12g", 1, 16, 16, 16384, 128, true, false, false);
+    c.gate = true;
+    benches.push_back({"gate d128 L16k H16 causal", c, 0});
+    c.gate_cut = -1.5;
+    c.gate_keep_every = 4;
+    benches.push_back({"gate, cut dropping 3/4 of the key blocks d128 L16k H16 causal", c, 0});
   }
   {
     // issue 27: a sink + window vs the same window without sinks (flops of the dense causal call)
