@@ -418,6 +418,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
   // The gate (kFormsAndIds kernels): alpha and delta read from memory where they are used.
+  static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
   constexpr bool kGated = kIndex == kFormsAndIds;
   const bool has_gate = kGated && p.alpha != nullptr;
 
