@@ -30,10 +30,10 @@
 // head's band, or with sink keys in the block, of the call's band; with sinks the CTAs run
 // rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
-// Gated calls (gate.cuh) run the kernels of the forms: the gate's term joins S^T after its GEMM,
-// the walk passes over the grid blocks its threshold drops, and its gradients are summed from
-// each block's dS tile once it is in shared memory (add_gate_grads: computed beside the S^T and
-// dP^T fragments, they doubled these kernels' spills).
+// Gated calls (gate.cuh) run kernels of their own (kGatedForms, the forms' code too): the gate's
+// term joins S^T after its GEMM, the walk passes over the grid blocks its threshold drops, and
+// its gradients are summed from each block's dS tile once it is in shared memory
+// (add_gate_grads: computed beside the S^T and dP^T fragments, they doubled the spills).
 //
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
@@ -417,9 +417,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
-  // The gate (kFormsAndIds kernels): alpha and delta read from memory where they are used.
+  // The gate (kGatedForms kernels): alpha and delta read from memory where they are used.
   static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
-  constexpr bool kGated = kIndex == kFormsAndIds;
+  constexpr bool kGated = kIndex == kGatedForms;
   const bool has_gate = kGated && p.alpha != nullptr;
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)

@@ -187,10 +187,10 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       return walk_next(n, flags);
     }
   };
-  // The gate (kFormsAndIds kernels): alpha of this thread's rows; the walk passes over the grid
+  // The gate (kGatedForms kernels): alpha of this thread's rows; the walk passes over the grid
   // blocks its threshold drops (the tiles nest in the grid's blocks).
   static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
-  constexpr bool kGated = kIndex == kFormsAndIds;
+  constexpr bool kGated = kIndex == kGatedForms;
   const bool has_gate = kGated && p.alpha != nullptr;
   auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
   float row_alpha[2] = {0.f, 0.f};

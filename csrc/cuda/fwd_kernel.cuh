@@ -15,8 +15,8 @@
 // indices) the walk also skips the blocks they hide, and blocks they leave partly visible test
 // each score (index_masks.cuh). With a window table (kTable) the range is the kv head's band
 // and its sink's blocks, the walk stepping over the gap between them. Gated calls (gate.cuh) run
-// the kernels of the forms: the scores gain the gate's term with the bias, and the walk passes
-// over the grid blocks the gate threshold drops.
+// kernels of their own (kGatedForms, the forms' code too): the scores gain the gate's term with
+// the bias, and the walk passes over the grid blocks the gate threshold drops.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -303,10 +303,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       return walk_next(n, flags);
     }
   };
-  // The gate (kFormsAndIds kernels): alpha of this thread's rows; the walk passes over the grid
+  // The gate (kGatedForms kernels): alpha of this thread's rows; the walk passes over the grid
   // blocks its threshold drops (the tiles nest in the grid's blocks).
   static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
-  constexpr bool kGated = kIndex == kFormsAndIds;
+  constexpr bool kGated = kIndex == kGatedForms;
   const bool has_gate = kGated && p.alpha != nullptr;
   auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
   float row_alpha[kGated ? 2 * MT : 1];

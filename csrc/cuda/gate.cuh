@@ -1,11 +1,10 @@
 // Gated attention in the FlashAttention-2-class kernels (common/params.h: AttentionShape::
-// has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j) (its gradient dS_ij
-// sigmoid(-alpha_i delta_j) goes to dalpha_i with delta_j and to ddelta_j with alpha_i: fp32
-// atomics, the backward's sums of a row over a CTA's keys and of a key over its query blocks), and with a threshold a
-// kGateBlockQ x kGateBlockK block of the fixed grid is dropped whole when every alpha_i * delta_j
-// there lies below gate_cut. The kernels of the index masks (kFormsAndIds) run gated calls: the
-// block test rides on their tile walk (index_masks.cuh) and the score term beside their
-// per-score tests, so the other kernels compile none of it.
+// has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j), its gradient dS_ij
+// sigmoid(-alpha_i delta_j) goes to dalpha_i with delta_j and to ddelta_j with alpha_i (fp32
+// atomics of a block's sums), and with a threshold a kGateBlockQ x kGateBlockK block of the
+// fixed grid is dropped whole when every alpha_i * delta_j there lies below gate_cut. Gated
+// calls run kernels of their own (IndexKind kGatedForms, with the forms' and ids' code): the
+// block test rides on their tile walks, the score term follows the scores' GEMM.
 #pragma once
 
 #include <cmath>
@@ -26,18 +25,31 @@ __device__ __forceinline__ float log_sigmoid_grad(float x) {
   return (x >= 0.f ? e : 1.f) / (1.f + e);
 }
 
-// [min, max] of n > 0 floats `stride` apart, in double; both NaN where any value is NaN (the CPU
-// kernels' MinMax: fminf / fmaxf alone would pass a NaN over).
-__device__ __forceinline__ void min_max(const float* x, int n, int64_t stride, double* lo,
-                                        double* hi) {
-  float a = __ldg(x), b = a;
-  bool nan = isnan(a);
-  for (int k = 1; k < n; ++k) {
-    const float v = __ldg(x + k * stride);
-    nan |= isnan(v);
-    a = fminf(a, v);
-    b = fmaxf(b, v);
+// [min, max] of 0 < n <= 128 floats `stride` apart, in double, by the whole warp (each lane
+// four values, then shuffles; every lane gets the result); both NaN where any value is NaN (the
+// CPU kernels' MinMax: fminf / fmaxf alone would pass a NaN over).
+static_assert(kGateBlockQ <= 128 && kGateBlockK <= 128, "a grid block's side: four values a lane");
+__device__ __forceinline__ void warp_min_max(const float* x, int n, int64_t stride, double* lo,
+                                             double* hi) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  float a = INFINITY, b = -INFINITY;
+  bool nan = false;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = lane + 32 * k;
+    if (i < n) {
+      const float v = __ldg(x + i * stride);
+      nan |= isnan(v);
+      a = fminf(a, v);
+      b = fmaxf(b, v);
+    }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a = fminf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, o));
+  }
+  nan = __any_sync(0xffffffffu, nan);
   *lo = nan ? NAN : a;
   *hi = nan ? NAN : b;
 }
@@ -82,16 +94,17 @@ struct GateView {
 
   // Whether the threshold keeps the grid block holding row r0 and key c0: unless every corner
   // product of alpha's and delta's [min, max] over the block lies below the cut (in double,
-  // exact for float32 values; a NaN corner keeps it, as on the CPU).
+  // exact for float32 values; a NaN corner keeps it, as on the CPU). Called by whole warps,
+  // converged (the walks are CTA-uniform).
   __device__ __forceinline__ bool keeps(int r0, int c0) const {
     if (!(cut > -INFINITY)) return true;
     const int i0 = r0 / static_cast<int>(kGateBlockQ) * static_cast<int>(kGateBlockQ);
     const int j0 = c0 / static_cast<int>(kGateBlockK) * static_cast<int>(kGateBlockK);
     double a_lo, a_hi, d_lo, d_hi;
-    min_max(alpha + static_cast<int64_t>(i0) * heads, min(static_cast<int>(kGateBlockQ), rows - i0),
-            heads, &a_lo, &a_hi);
-    min_max(delta + static_cast<int64_t>(j0) * kv_heads,
-            min(static_cast<int>(kGateBlockK), cols - j0), kv_heads, &d_lo, &d_hi);
+    warp_min_max(alpha + static_cast<int64_t>(i0) * heads,
+                 min(static_cast<int>(kGateBlockQ), rows - i0), heads, &a_lo, &a_hi);
+    warp_min_max(delta + static_cast<int64_t>(j0) * kv_heads,
+                 min(static_cast<int>(kGateBlockK), cols - j0), kv_heads, &d_lo, &d_hi);
     const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
 #pragma unroll
     for (int k = 0; k < 4; ++k)

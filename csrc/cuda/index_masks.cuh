@@ -10,16 +10,18 @@
 
 namespace dmattn::cuda {
 
-// The index masks a kernel compiles (its kIndex template argument): none, segment ids alone, or
-// the forms beside optional segment ids. The segment-id kernels compile none of the forms' code
-// (with it, the packed backward ran 1.57 -> 1.64 ms on an H100: registers).
-enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2 };
+// The index masks a kernel compiles (its kIndex template argument): none, segment ids alone,
+// the forms beside optional segment ids, or those and the gate (gate.cuh). The segment-id
+// kernels compile none of the forms' code (with it, the packed backward ran 1.57 -> 1.64 ms on an
+// H100: registers), the forms' none of the gate's (with it, their sm_90a D128 backward spilled
+// 452 -> 648 bytes).
+enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2, kGatedForms = 3 };
 
-// The kind of a call's index masks; gated calls (gate.cuh) run the kernels of the forms.
+// The kind of a call's index masks.
 template <typename Params>
 inline int IndexKindOf(const Params& p) {
-  return p.forms.present || p.alpha != nullptr ? kFormsAndIds
-                                               : (p.q_segments != nullptr ? kSegmentIds : kNoIndex);
+  if (p.alpha != nullptr) return kGatedForms;
+  return p.forms.present ? kFormsAndIds : (p.q_segments != nullptr ? kSegmentIds : kNoIndex);
 }
 
 namespace detail {
@@ -27,11 +29,11 @@ namespace detail {
 // What a kIndex kernel's call has: segment ids, forms (compile-time false where not compiled).
 template <int kIndex, typename Params>
 __device__ __forceinline__ bool has_segment_ids(const Params& p) {
-  return kIndex == kSegmentIds || (kIndex == kFormsAndIds && p.q_segments != nullptr);
+  return kIndex == kSegmentIds || (kIndex >= kFormsAndIds && p.q_segments != nullptr);
 }
 template <int kIndex, typename Params>
 __device__ __forceinline__ bool has_mask_forms(const Params& p) {
-  return kIndex == kFormsAndIds && p.forms.present;
+  return kIndex >= kFormsAndIds && p.forms.present;
 }
 
 // The index masks of one (batch entry b, query head h), whose forms' entries are `entries`

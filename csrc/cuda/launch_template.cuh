@@ -55,6 +55,7 @@ inline auto PickRules(int index, bool table, Kernel kernel) {
   switch (index) {
     case kSegmentIds: return with_table(std::integral_constant<int, kSegmentIds>{});
     case kFormsAndIds: return with_table(std::integral_constant<int, kFormsAndIds>{});
+    case kGatedForms: return with_table(std::integral_constant<int, kGatedForms>{});
     default: return with_table(std::integral_constant<int, kNoIndex>{});
   }
 }
@@ -212,9 +213,10 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
-  const int index = kFormsOnly ? kFormsAndIds : IndexKindOf(p);
+  const int index = IndexKindOf(p);  // kFormsOnly: kFormsAndIds or kGatedForms
   auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
-    constexpr int kIndex = kFormsOnly ? kFormsAndIds : decltype(i)::value;
+    constexpr int kIndex =
+        kFormsOnly && decltype(i)::value < kFormsAndIds ? kFormsAndIds : decltype(i)::value;
     return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
   });
   const int prefix = index != kNoIndex ? kSegmentSmem : 0;  // the segment ids' tile
