@@ -147,12 +147,9 @@ def _runner(front, mask, causal, softcap, threshold, implementation, lens=None):
     return fn
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_matches_float64_reference(case):
-    """out, lse and the gradients of q, k, v, bias, alpha and delta (each in its own dtype) of
-    the CPU kernels against the float64 reference, threshold None: causal, a dense mask, key
-    ranges, full and per-key bias, softcap, GQA / MQA, head dims 32-128, Lq != Lk, bf16, and
-    (dot_product_attention) sequence lengths."""
+def _check_against_float64(case, implementation):
+    """out, lse and the gradients of q, k, v, bias, alpha and delta (each in its own dtype and
+    shape) of `implementation` against the float64 reference, threshold None."""
     front, batch, lq, lk, _, _, _, causal, _, _, softcap, dtype = case
     rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
     q, k, v, mask, bias, alpha, delta = _case_inputs(case, rng)
@@ -160,14 +157,22 @@ def test_matches_float64_reference(case):
     if front == "dpa":
         lens = dict(query_seq_lengths=jnp.asarray([lq, lq - 37][:batch], jnp.int32),
                     key_value_seq_lengths=jnp.asarray([lk - 20, lk][:batch], jnp.int32))
-    got = results(_runner(front, mask, causal, softcap, None, "cpu", lens), q, k, v, bias, alpha,
-                  delta)
+    got = results(_runner(front, mask, causal, softcap, None, implementation, lens), q, k, v,
+                  bias, alpha, delta)
     for g, x in zip(got[2], [q, k, v] + ([bias] if bias is not None else []) + [alpha, delta],
                     strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
     want = results(_runner(front, mask, causal, softcap, None, "xla", lens), to64(q), to64(k),
                    to64(v), to64(bias), to64(alpha), to64(delta))
     assert_all_close(got, want, dtype, bias is not None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """The CPU kernels against the float64 reference: causal, a dense mask, key ranges, full and
+    per-key bias, softcap, GQA / MQA, head dims 32-128, Lq != Lk, bf16, and
+    (dot_product_attention) sequence lengths."""
+    _check_against_float64(case, "cpu")
 
 
 @pytest.mark.parametrize("causal, softcap", [(False, None), (True, 6.0)])
@@ -586,21 +591,9 @@ CUDA_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CUDA_CASES, ids=_case_id)
 def test_cuda_matches_float64_reference(case):
-    """out, lse and the gradients of q, k, v, bias, alpha and delta of the CUDA kernels against
-    the float64 reference, threshold None."""
-    front, batch, lq, lk, _, _, d, causal, _, _, softcap, dtype = case
-    require_cuda_kernel(d, dtype)
-    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
-    q, k, v, mask, bias, alpha, delta = _case_inputs(case, rng)
-    lens = None
-    if front == "dpa":
-        lens = dict(query_seq_lengths=jnp.asarray([lq, lq - 37][:batch], jnp.int32),
-                    key_value_seq_lengths=jnp.asarray([lk - 20, lk][:batch], jnp.int32))
-    got = results(_runner(front, mask, causal, softcap, None, "cuda", lens), q, k, v, bias,
-                  alpha, delta)
-    want = results(_runner(front, mask, causal, softcap, None, "xla", lens), to64(q), to64(k),
-                   to64(v), to64(bias), to64(alpha), to64(delta))
-    assert_all_close(got, want, dtype, bias is not None)
+    """The CUDA kernels against the float64 reference, threshold None."""
+    require_cuda_kernel(case[6], case[11])
+    _check_against_float64(case, "cuda")
 
 
 @pytest.mark.gpu
