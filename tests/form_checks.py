@@ -125,21 +125,21 @@ def lower_for_cuda(q, k, v, *mask, **kw):
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
-def assert_cuda_lowering_reads(calls, q, k, v, mask, operands, **attrs):
+def assert_cuda_lowering_reads(calls, q, k, v, mask, operands, gate=None, **attrs):
     """Lowered for cuda with a fake CUDA build (conftest.fake_cuda_build; `calls` from
-    conftest.record_ffi_calls), ``jit(grad)`` of ``flash_dmattn(q, k, v, mask)`` calls the CUDA
-    kernels' forward and backward, with implementation None and "cuda" alike and without a
-    warning (a fallback to the reference would warn or raise): each call's operands after the
-    fixed ones (q, k, v; and out, dout, lse, dlse for the backward) are `operands`, ``(shape,
-    dtype)`` pairs, the CUDA mask map and bits last with a bool mask, and its attributes hold
-    `attrs`."""
+    conftest.record_ffi_calls), ``jit(grad)`` of ``flash_dmattn(q, k, v, mask, gate=gate)``
+    calls the CUDA kernels' forward and backward, with implementation None and "cuda" alike and
+    without a warning (a fallback to the reference would warn or raise): each call's operands
+    after the fixed ones (q, k, v; and out, dout, lse, dlse for the backward) are `operands`,
+    ``(shape, dtype)`` pairs, the CUDA mask map and bits last with a bool mask, and its
+    attributes hold `attrs`."""
     from jax_dmattn import _ffi
 
     for implementation in (None, "cuda"):
         calls.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            lower_for_cuda(q, k, v, mask, implementation=implementation)
+            lower_for_cuda(q, k, v, mask, implementation=implementation, gate=gate)
         by_target = {target: (ops, got) for target, ops, got in calls}
         assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
         for target, (ops, got) in by_target.items():
