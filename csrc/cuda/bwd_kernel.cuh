@@ -306,10 +306,13 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
   static_assert((BN + kStages * BM) * 4 <= kSegmentSmem, "the ids fit the segment prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
-  // Segment ids: the kv ids of the key block (this pair's batch entry), the q ids of each stage
+  uint8_t* smem = smem_base + IndexPrefixSmem(kIndex);
+  // Segment ids: the kv ids of the key block (this pair's batch entry), the q ids of each stage;
+  // the gate's delta and alpha likewise
   int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);
   int32_t* sRowIds = sKeyIds + BN;
+  float* sKeyDelta = reinterpret_cast<float*>(smem_base + kSegmentSmem);
+  float* sRowAlpha = sKeyDelta + BN;
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
@@ -417,10 +420,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
-  // The gate (kGatedForms kernels): alpha and delta read from memory where they are used.
+  // The gate (kGatedForms kernels): alpha and delta staged with the ids.
   static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
   constexpr bool kGated = kIndex == kGatedForms;
-  const bool has_gate = kGated && p.alpha != nullptr;
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
   // wgmma tiles: the staged dQ block waiting for its bulk reduction, which thread 0 issues after
@@ -482,6 +484,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       if (has_segments) {
         load_ids_async<BM, NT>(sRowIds + st * BM, q_segment_row(p, b) + m0, L.q_len - m0, tid);
       }
+      if constexpr (kGated) {
+        gate().template load_rows_async<BM, NT>(sRowAlpha + st * BM, m0, L.q_len - m0, tid);
+      }
       for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < L.q_len;
         cp_async4(smem_u32(sLse + st * BM + r), ok ? lseg + m0 + r : lseg, ok ? 4 : 0);
@@ -508,7 +513,7 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     auto next_block = [&](int m, int* flags) {
       int next = walk.next(m, flags);
       if constexpr (kGated) {  // past the grid blocks the gate threshold drops
-        while (has_gate && next <= m_last && !gate().keeps(next * BM, n0)) {
+        while (next <= m_last && !gate().keeps(next * BM, n0)) {
           next = walk.next(next + 1, flags);
         }
       }
@@ -525,6 +530,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     if (m <= m_last) {
       if (has_segments) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
+      }
+      if constexpr (kGated) {
+        gate().template load_keys_async<BN, NT>(sKeyDelta, n0, L.kv_len - n0, tid);
       }
       if (!(flags & kTileAll)) load_mask(m, cur);
       load_step(m, stage);
@@ -642,13 +650,11 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
 
       if constexpr (kGated) {  // S^T += logsigmoid(alpha_i delta_j) / scale, with the bias
-        if (has_gate) {
-          const GateView gv = gate();
-          for_each_element<MA, NA>([&](int mt, int t, int e) {
-            const float x = gv.row(m0 + query_of(t, e)) * gv.key(n0 + key_of(mt, e));
-            st[mt][t][e] += log_sigmoid(x) * p.bias_mul;
-          });
-        }
+        const float* alpha = sRowAlpha + stage * BM;
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          const float x = alpha[query_of(t, e)] * sKeyDelta[key_of(mt, e)];
+          st[mt][t][e] += log_sigmoid(x) * p.bias_mul;
+        });
       }
 
       // ---------------- visibility, softcap, P = exp(S - lse) -> smem or registers -----------
@@ -891,11 +897,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
       __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
       if constexpr (kGated) {  // the gate's gradients from the dS tile, few registers live
-        if (has_gate) {
-          add_gate_grads<BN, BM, NT>(
-              gate(), p.dalpha, p.ddelta, n0, m0, L.kv_len, L.q_len,
-              [&](int j, int i) { return E::to_float(sdS[TileP::off(j, i)]); }, tid);
-        }
+        add_gate_grads<BN, BM, NT>(
+            gate(), p.dalpha, p.ddelta, sRowAlpha + stage * BM, sKeyDelta, n0, m0, L.kv_len,
+            L.q_len, [&](int j, int i) { return E::to_float(sdS[TileP::off(j, i)]); }, tid);
       }
       if (db_staged) {
         T* dbg = static_cast<T*>(p.dbias) + pp.dbias_entry +
@@ -971,8 +975,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
 
       if constexpr (kStages == 1) {
-        // Q, dO, bias (and P) free: the next block loads during phase C
-        if constexpr (!kEarlyB) __syncthreads();
+        // Q, dO, bias (and P) free: the next block loads during phase C (gated: once every
+        // warp has read the stage's alpha in add_gate_grads)
+        if constexpr (!kEarlyB || kGated) __syncthreads();
         if (next <= m_last) load_step(next, 0);
       }
 

@@ -17,6 +17,14 @@ namespace dmattn::cuda {
 // 452 -> 648 bytes).
 enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2, kGatedForms = 3 };
 
+// Shared memory ahead of a kIndex kernel's tiles: the segment ids' (kSegmentSmem), and for the
+// gate as much again (gate.cuh: a key block's delta, each query stage's alpha, laid out as the
+// ids).
+constexpr int IndexPrefixSmem(int index) {
+  return index == kNoIndex ? 0 : index == kGatedForms ? 2 * kSegmentSmem : kSegmentSmem;
+}
+constexpr int kMaxIndexPrefixSmem = IndexPrefixSmem(kGatedForms);
+
 // The kind of a call's index masks.
 template <typename Params>
 inline int IndexKindOf(const Params& p) {

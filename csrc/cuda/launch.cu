@@ -600,8 +600,10 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     } else {
       p.dbias_mode = kDbiasDirect;
       const bool full_rows = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
-      // The fill pass knows the tiles that the band and the mask skip, not the index masks'.
-      p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms();
+      // The fill pass knows the tiles that the band and the mask skip, not those the index
+      // masks or the gate threshold drop.
+      p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms() &&
+                     !(shape.has_gate && shape.gate_cut > -INFINITY);
       p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }
