@@ -40,11 +40,16 @@ struct FwdTraits {
   // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). With 224 for two
   // consumers ptxas reports no spill either (H100 harness, dense D128 L4k 0.890 vs 0.883 ms at
   // 240). Every spill of the kernels is the producer's, at 24 (its mask map walk and tile
-  // bookkeeping; other budgets: tests/cuda/tune_fwd.cu).
+  // bookkeeping). The D <= 128 kernels with a bias ring take 56 + 2 x 224: their producer and
+  // operand warps then spill 37 instructions instead of 395, their consumers none (H100 harness,
+  // bias + 50 % mask 0.697 -> 0.692 ms, all-true mask 0.648 -> 0.645; other budgets:
+  // tests/cuda/tune_fwd.cu).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static constexpr int kProducerRegs = kProducerRegs_ ? kProducerRegs_ : kConsumers == 2 ? 24 : 32;
+  static constexpr bool kWideProducer = kConsumers == 2 && kBias && D <= 128;
+  static constexpr int kProducerRegs =
+      kProducerRegs_ ? kProducerRegs_ : kConsumers == 3 ? 32 : kWideProducer ? 56 : 24;
   static constexpr int kConsumerRegs =
-      kConsumerRegs_ ? kConsumerRegs_ : kConsumers == 2 ? 240 : 160;
+      kConsumerRegs_ ? kConsumerRegs_ : kConsumers == 3 ? 160 : kWideProducer ? 224 : 240;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg: multiples of 8");
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <=
                     (kConsumers + 1) * (65536 / kThreads / 8 * 8),
