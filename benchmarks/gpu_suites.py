@@ -11,12 +11,14 @@ and cuDNN / xla on the packed row with the equivalent dense mask; a sixth, `sink
 a per-kv-head table of sink 64 + window 1024 (L16k D128 H16 causal) against the same window
 without sinks and cuDNN with the equivalent dense mask; a seventh, `blocks` (issue 24), block
 indices (top-16 of the 64-key blocks for each 64-row query block, L16k D128 H16) against the
-same problem without a mask and with the equivalent dense bool mask. Their calls are timed
+same problem without a mask and with the equivalent dense bool mask; an eighth, `gate` (issue
+27), gated attention (L16k D128 H16 causal) exact and with a gate threshold that drops three of
+every four grid key blocks, against the same call without a gate. Their calls are timed
 back to back (DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps
 they report are within the per-call latency of a block after every call.
 
     python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,sinks,blocks,
-                                             all}
+                                             gate,all}
         [--quick] [--iters 20] [--out benchmarks/results]
 
 Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
@@ -47,17 +49,20 @@ from jax_dmattn._timing import attention_flops, back_to_back_ms, median_ms
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks", "blocks")
+SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks", "blocks", "gate")
 # Suites timed back to back (DESIGN.md §5); the others keep the median of synchronised calls that
 # their recorded results were measured with.
-BACK_TO_BACK = ("packed", "sinks", "blocks")
+BACK_TO_BACK = ("packed", "sinks", "blocks", "gate")
 BACK_TO_BACK_REPEATS = 3
 IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "jax_dmattn_window",
-         "jax_dmattn_dense", "cudnn", "xla")
+         "jax_dmattn_dense", "jax_dmattn_cut", "jax_dmattn_nogate", "cudnn", "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
          "jax_dmattn_batch": "jax_dmattn (as a batch)",
          "jax_dmattn_window": "jax_dmattn (window, no sinks)",
-         "jax_dmattn_dense": "jax_dmattn (no mask)", "cudnn": "cuDNN", "xla": "xla"}
+         "jax_dmattn_dense": "jax_dmattn (no mask)",
+         "jax_dmattn_cut": "jax_dmattn (gate threshold)",
+         "jax_dmattn_nogate": "jax_dmattn (no gate)",
+         "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
 JAX_NN_MASK = ("jax.nn.dot_product_attention turns a bool mask into an additive bias inside the "
@@ -152,24 +157,27 @@ def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
 # ---- timing cells ---------------------------------------------------------------------------
 
 def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None,
-                 window_sizes=None) -> Callable:
-    """(q, k, v, mask, bias[, segment_ids]) → out for one implementation. With a `window` (the
-    dynamic suite), jax_dmattn is ``dynamic_attention``, which makes its own key lists from the
-    bias and ignores the mask; jax_dmattn_mask, jax_dmattn_batch (the packed suite's documents
-    as a batch) and jax_dmattn_window (the sinks suite's window alone) are always
-    ``flash_dmattn``. ``segment_ids`` [B, L] (the packed suite) go to ``flash_dmattn`` as both
-    the query and the key ids, `window_sizes` (the sinks suite's table) as its window table."""
+                 window_sizes=None, gate_threshold: float | None = None) -> Callable:
+    """(q, k, v, mask, bias, gate, segment_ids) → out for one implementation. With a `window`
+    (the dynamic suite), jax_dmattn is ``dynamic_attention``, which makes its own key lists from
+    the bias and ignores the mask; jax_dmattn_mask, jax_dmattn_batch (the packed suite's
+    documents as a batch) and jax_dmattn_window (the sinks suite's window alone) are always
+    ``flash_dmattn``. ``segment_ids`` [B, L] or None (the packed suite) go to ``flash_dmattn`` as
+    both the query and the key ids, `window_sizes` (the sinks suite's table) as its window
+    table, ``gate`` (alpha, delta) or () (the gate suite) and `gate_threshold` as its gate."""
     if impl == "jax_dmattn" and window is not None:
-        def attend(q, k, v, mask, bias):
+        def attend(q, k, v, mask, bias, gate, segment_ids):
             return dynamic_attention(q, k, v, bias, window, is_causal=causal,
                                      implementation=ours)
     elif impl.startswith("jax_dmattn"):
-        def attend(q, k, v, mask, bias, segment_ids=None):
+        def attend(q, k, v, mask, bias, gate, segment_ids):
             return jax_dmattn.flash_dmattn(q, k, v, mask, bias, q_segment_ids=segment_ids,
                                            kv_segment_ids=segment_ids, is_causal=causal,
-                                           window_sizes=window_sizes, implementation=ours)
+                                           window_sizes=window_sizes, gate=gate or None,
+                                           gate_threshold=gate_threshold if gate else None,
+                                           implementation=ours)
     else:
-        def attend(q, k, v, mask, bias):
+        def attend(q, k, v, mask, bias, gate, segment_ids):
             return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
                                                 implementation=impl)
     return attend
@@ -186,23 +194,24 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool,
               back_to_back: bool = False) -> dict[str, dict]:
     """{"fwd": cell, "fwd+bwd": cell}; a cell is {"ms": …} or {"error": …}, never raises.
 
+    ``inputs["gate"]`` (optional (alpha, delta), differentiated like the bias) and
     ``inputs["segment_ids"]`` (optional, [B, L] int32) are passed after the other arguments, as
     jit arguments like the mask (not constants folded into the program)."""
     if impl == "cudnn" and not bench.on_gpu:
         return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
     attend = attention_fn(impl, causal, bench.ours, inputs.get("window"),
-                          inputs.get("window_sizes"))
-    with_bias = inputs["bias"] is not None
-    ids = [] if inputs.get("segment_ids") is None else [inputs["segment_ids"]]
+                          inputs.get("window_sizes"), inputs.get("gate_threshold"))
+    gate = tuple(inputs.get("gate") or ())
+    ids = inputs.get("segment_ids")
 
-    def loss(q, k, v, mask, bias, dout, *segment_ids):
-        return jnp.sum(attend(q, k, v, mask, bias, *segment_ids).astype(jnp.float32) * dout)
+    def loss(q, k, v, mask, bias, gate, segment_ids, dout):
+        return jnp.sum(attend(q, k, v, mask, bias, gate, segment_ids).astype(jnp.float32) * dout)
 
-    args = [inputs[n] for n in ("q", "k", "v", "mask", "bias")]
+    args = [*(inputs[n] for n in ("q", "k", "v", "mask", "bias")), gate, ids]
+    argnums = (0, 1, 2) + ((4,) if inputs["bias"] is not None else ()) + ((5,) if gate else ())
     passes = {
-        "fwd": (jax.jit(attend), [*args, *ids]),
-        "fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4) if with_bias
-                                               else (0, 1, 2))), [*args, inputs["dout"], *ids]),
+        "fwd": (jax.jit(attend), args),
+        "fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=argnums)), [*args, inputs["dout"]]),
     }
     cells = {name: time_cell(bench, fn, *fn_args, back_to_back=back_to_back)
              for name, (fn, fn_args) in passes.items()}
@@ -581,6 +590,64 @@ def suite_blocks(bench: Bench) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+# Issue 27's acceptance bounds for the gate suite: the threshold's calls against the exact gated
+# ones (forward and forward+backward, with >= GATE_MIN_DROPPED of the tiles dropped), the exact
+# gated forward+backward against the same call without a gate.
+GATE_MAX_CUT_VS_EXACT = 0.4
+GATE_MIN_DROPPED = 0.7
+GATE_MAX_EXACT_VS_NONE = 1.1
+GATE_BLOCK, GATE_KEEP_EVERY, GATE_THRESHOLD = 128, 4, -2.0
+
+
+def suite_gate(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Gated attention (issue 27): D=128, H=16, causal, alpha [1, L, H] = 0.5 + |N(0, 1)| and
+    delta [1, L, H] = N(0, 1/4) lowered by 8 in all but every GATE_KEEP_EVERY-th grid block of
+    GATE_BLOCK keys, so that `gate_threshold` = GATE_THRESHOLD drops those blocks whole (their
+    bound alpha · delta <= -3, the cut -1.85) and keeps the others; exact (no threshold), with the
+    threshold, and without the gate."""
+    heads, head_dim, length = (2, 128, 1024) if bench.quick else (16, 128, 16384)
+    inputs = qkv(1, length, heads, heads, head_dim)
+    gaussian = [jax.random.normal(jax.random.PRNGKey(seed), (1, length, heads), jnp.float32)
+                for seed in (7, 8)]
+    lowered = (jnp.arange(length) // GATE_BLOCK) % GATE_KEEP_EVERY != 0
+    alpha = 0.5 + jnp.abs(gaussian[0])
+    delta = 0.5 * gaussian[1] - 8.0 * lowered[None, :, None]
+    blocks = -(-length // GATE_BLOCK)
+    visible = [(i, j) for i in range(blocks) for j in range(i + 1)]
+    dropped = sum(j % GATE_KEEP_EVERY != 0 for _, j in visible) / len(visible)
+    label = f"D={head_dim} L={kilo(length)} H={heads} causal gate"
+    config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=True,
+                  gate_threshold=GATE_THRESHOLD, dropped_blocks=round(dropped, 4))
+    flops = attention_flops(1, heads, length, length, head_dim, causal=True)
+    rows = measure(bench, "gate", label, config,
+                   {**inputs, "mask": None, "bias": None, "gate": (alpha, delta)}, True, flops,
+                   impls=("jax_dmattn", "jax_dmattn_cut", "jax_dmattn_nogate"),
+                   overrides={"jax_dmattn_cut": {"gate_threshold": GATE_THRESHOLD},
+                              "jax_dmattn_nogate": {"gate": None}})
+    free(inputs, alpha, delta)
+    notes = [f"jax_dmattn: `flash_dmattn(..., is_causal=True, gate=(alpha, delta))` (exact); "
+             f"jax_dmattn (gate threshold): the same with `gate_threshold={GATE_THRESHOLD}`, "
+             f"which drops {100 * dropped:.1f} % of the causal grid's {GATE_BLOCK} x "
+             f"{GATE_BLOCK} blocks (all but every {GATE_KEEP_EVERY}th key block); jax_dmattn (no "
+             "gate): the same call without the gate; no mask, no bias; gradients wrt q, k, v "
+             "(and alpha, delta)",
+             "TF/s counts the causal call's FLOPs for every implementation"]
+    for row in rows:
+        ms = {impl: cell.get("ms") for impl, cell in row["results"].items()}
+        exact, cut, none = (ms.get(i) for i in ("jax_dmattn", "jax_dmattn_cut",
+                                                "jax_dmattn_nogate"))
+        words = []
+        if exact and cut:
+            words.append(f"threshold / exact = {cut / exact:.3f}× (issue 27: ≤ "
+                         f"{GATE_MAX_CUT_VS_EXACT}×, ≥ {100 * GATE_MIN_DROPPED:.0f} % dropped)")
+        if exact and none:
+            words.append(f"exact / no gate = {exact / none:.3f}× (issue 27: ≤ "
+                         f"{GATE_MAX_EXACT_VS_NONE}× forward+backward)")
+        if words:
+            notes.append(f"{row['pass']}: " + "; ".join(words))
+    return rows, notes
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def fmt_ms(ms: float) -> str:
@@ -753,7 +820,7 @@ def main() -> None:
         f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
     runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
                "density": suite_density, "packed": suite_packed, "sinks": suite_sinks,
-               "blocks": suite_blocks}
+               "blocks": suite_blocks, "gate": suite_gate}
     results = {}
     for suite in SUITES if args.suite == "all" else (args.suite,):
         rows, notes = runners[suite](bench)

@@ -110,8 +110,7 @@ def flash_dmattn(
         ``dalpha[b, i, h] = sum_j dS_ij · sigmoid(-alpha_i delta_j) · delta_j``, ``ddelta``
         likewise summed over rows and the kv head's query heads, dS the logit's cotangent).
         Combines with every mask form, bias, causality, windows, segment ids, lengths and
-        softcap. The CPU kernels take it; on a GPU the reference runs (implementation='cuda'
-        raises).
+        softcap. The CPU kernels and the CUDA kernels take it.
       gate_threshold: ``None`` (exact) or a concrete float ``< 0``, only with a gate. Each query
         head's score matrix is cut into a fixed grid of blocks of ``GATE_BLOCK_Q = 128`` query
         rows × ``GATE_BLOCK_K = 128`` keys from position 0 (the last ones partial; all rows and
@@ -121,9 +120,9 @@ def flash_dmattn(
         i.e. when the bound ``max(alpha_i · delta_j)`` over the block, the largest of the
         products of alpha's min / max over its rows and delta's min / max over its keys, is
         below ``gate_threshold - log(1 - exp(gate_threshold))``; kernels of any tile shape drop
-        the same pairs (the bound in double), and so does the reference (``'xla'``, and GPUs
-        for now) with x64; without x64 it rounds the bound to float32 and also keeps a block
-        whose bound rounds up to the cut. Error: a row whose exact (threshold None) softmax
+        the same pairs (the bound in double), and so does the reference (``'xla'``) with x64;
+        without x64 it rounds the bound to float32 and also keeps a block whose bound rounds up
+        to the cut. Error: a row whose exact (threshold None) softmax
         gives its dropped pairs total probability ``m`` changes by at most ``2m / (1 - m) ·
         max_j |v_j|``, and each dropped pair's weight ``exp(logit)`` is below
         ``exp(gate_threshold)`` times its weight without the gate (without softcap; not its

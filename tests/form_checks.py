@@ -98,21 +98,21 @@ def assert_equals_dense_with_every_rule(rng, q, k, v, form, dense):
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6)
 
-def assert_cuda_refuses(params, reason, **form):
+def assert_cuda_refuses(params, reason):
     """With a (fake) CUDA build that has kernels for the call, ``ops.uses_kernel`` refuses
-    `params` with `form` (its keyword flags, e.g. ``has_gate=True``): None warns once naming
-    `reason`, then stays silent; implementation="cuda" raises; the CPU kernels take the call."""
+    `params`: None warns once naming `reason`, then stays silent; implementation="cuda" raises;
+    the CPU kernels take the call."""
     from jax_dmattn import ops
 
     call = (jnp.bfloat16, 128)
     with pytest.warns(RuntimeWarning, match=reason):
-        assert not ops.uses_kernel("cuda", params, *call, **form)
+        assert not ops.uses_kernel("cuda", params, *call)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not ops.uses_kernel("cuda", params, *call, **form)
+        assert not ops.uses_kernel("cuda", params, *call)
     with pytest.raises(ValueError, match=reason):
-        ops.uses_kernel("cuda", dataclasses.replace(params, implementation="cuda"), *call, **form)
-    assert ops.uses_kernel("cpu", params, *call, **form)
+        ops.uses_kernel("cuda", dataclasses.replace(params, implementation="cuda"), *call)
+    assert ops.uses_kernel("cpu", params, *call)
 
 
 def lower_for_cuda(q, k, v, *mask, **kw):
@@ -125,21 +125,21 @@ def lower_for_cuda(q, k, v, *mask, **kw):
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
-def assert_cuda_lowering_reads(calls, q, k, v, mask, operands, **attrs):
+def assert_cuda_lowering_reads(calls, q, k, v, mask, operands, gate=None, **attrs):
     """Lowered for cuda with a fake CUDA build (conftest.fake_cuda_build; `calls` from
-    conftest.record_ffi_calls), ``jit(grad)`` of ``flash_dmattn(q, k, v, mask)`` calls the CUDA
-    kernels' forward and backward, with implementation None and "cuda" alike and without a
-    warning (a fallback to the reference would warn or raise): each call's operands after the
-    fixed ones (q, k, v; and out, dout, lse, dlse for the backward) are `operands`, ``(shape,
-    dtype)`` pairs, the CUDA mask map and bits last with a bool mask, and its attributes hold
-    `attrs`."""
+    conftest.record_ffi_calls), ``jit(grad)`` of ``flash_dmattn(q, k, v, mask, gate=gate)``
+    calls the CUDA kernels' forward and backward, with implementation None and "cuda" alike and
+    without a warning (a fallback to the reference would warn or raise): each call's operands
+    after the fixed ones (q, k, v; and out, dout, lse, dlse for the backward) are `operands`,
+    ``(shape, dtype)`` pairs, the CUDA mask map and bits last with a bool mask, and its
+    attributes hold `attrs`."""
     from jax_dmattn import _ffi
 
     for implementation in (None, "cuda"):
         calls.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            lower_for_cuda(q, k, v, mask, implementation=implementation)
+            lower_for_cuda(q, k, v, mask, implementation=implementation, gate=gate)
         by_target = {target: (ops, got) for target, ops, got in calls}
         assert set(by_target) == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}, calls
         for target, (ops, got) in by_target.items():

@@ -21,10 +21,10 @@ import pytest
 from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
     assert_close,
-    assert_cuda_refuses,
     assert_vmap_matches_each,
     lower_for_cuda,
     qkv,
+    require_cuda_kernel,
     to64,
 )
 from jax.sharding import Mesh, NamedSharding
@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from test_segments import array_sizes
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
-from jax_dmattn.params import GATE_BLOCK_K, GATE_BLOCK_Q, AttentionParams, gate_cut
+from jax_dmattn.params import GATE_BLOCK_K, GATE_BLOCK_Q, gate_cut
 
 # ---- inputs and helpers -----------------------------------------------------------------------
 
@@ -147,12 +147,9 @@ def _runner(front, mask, causal, softcap, threshold, implementation, lens=None):
     return fn
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_matches_float64_reference(case):
-    """out, lse and the gradients of q, k, v, bias, alpha and delta (each in its own dtype) of
-    the CPU kernels against the float64 reference, threshold None: causal, a dense mask, key
-    ranges, full and per-key bias, softcap, GQA / MQA, head dims 32-128, Lq != Lk, bf16, and
-    (dot_product_attention) sequence lengths."""
+def _check_against_float64(case, implementation):
+    """out, lse and the gradients of q, k, v, bias, alpha and delta (each in its own dtype and
+    shape) of `implementation` against the float64 reference, threshold None."""
     front, batch, lq, lk, _, _, _, causal, _, _, softcap, dtype = case
     rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
     q, k, v, mask, bias, alpha, delta = _case_inputs(case, rng)
@@ -160,14 +157,22 @@ def test_matches_float64_reference(case):
     if front == "dpa":
         lens = dict(query_seq_lengths=jnp.asarray([lq, lq - 37][:batch], jnp.int32),
                     key_value_seq_lengths=jnp.asarray([lk - 20, lk][:batch], jnp.int32))
-    got = results(_runner(front, mask, causal, softcap, None, "cpu", lens), q, k, v, bias, alpha,
-                  delta)
+    got = results(_runner(front, mask, causal, softcap, None, implementation, lens), q, k, v,
+                  bias, alpha, delta)
     for g, x in zip(got[2], [q, k, v] + ([bias] if bias is not None else []) + [alpha, delta],
                     strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
     want = results(_runner(front, mask, causal, softcap, None, "xla", lens), to64(q), to64(k),
                    to64(v), to64(bias), to64(alpha), to64(delta))
     assert_all_close(got, want, dtype, bias is not None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    """The CPU kernels against the float64 reference: causal, a dense mask, key ranges, full and
+    per-key bias, softcap, GQA / MQA, head dims 32-128, Lq != Lk, bf16, and
+    (dot_product_attention) sequence lengths."""
+    _check_against_float64(case, "cpu")
 
 
 @pytest.mark.parametrize("causal, softcap", [(False, None), (True, 6.0)])
@@ -551,40 +556,71 @@ def test_traced_threshold_refused():
                                        implementation="cpu"))(-1.0)
 
 
-# ---- the GPU: the reference, with a warning ---------------------------------------------------
-
-
-def test_cuda_refuses_a_gate(monkeypatch):
-    """On a GPU with kernels for the call, a gated call goes to the reference: None warns once
-    naming the reason, implementation="cuda" raises, the CPU kernels take it."""
-    from jax_dmattn import ops
-
-    fake_cuda_build(monkeypatch, [16, 128])
-    params = AttentionParams(scale=0.1, gate_threshold=-1.0)
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    assert_cuda_refuses(params, "do not take a gate", has_gate=True)
+# ---- the GPU: the CUDA kernels ----------------------------------------------------------------
 
 
 def test_cuda_lowering(monkeypatch):
-    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a gated call
-    makes no FFI call (None warns and lowers the reference, "cuda" raises); without the gate the
-    same call uses the CUDA kernels."""
+    """Lowered for a GPU whose build has kernels for the call (a fake CUDA build): a gated call,
+    with or without a threshold, makes the CUDA forward and backward calls with the gate's
+    operands, and no warning."""
     calls = record_ffi_calls(monkeypatch)
     fake_cuda_build(monkeypatch, [16, 128])
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
     gate = random_gate(rng, 2, 24, 32, 4, 2, jnp.bfloat16)
-
-    with pytest.warns(RuntimeWarning, match="do not take a gate"):
-        lower_for_cuda(q, k, v, is_causal=True, gate=gate)
-    assert calls == []
-    with pytest.raises(ValueError, match="do not take a gate"):
-        lower_for_cuda(q, k, v, gate=gate, gate_threshold=-1.0, implementation="cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lower_for_cuda(q, k, v, is_causal=True, implementation="cuda")
-    assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
-    assert all(attrs["has_gate"] is False for *_, attrs in calls)
+        lower_for_cuda(q, k, v, is_causal=True, gate=gate)
+        lower_for_cuda(q, k, v, gate=gate, gate_threshold=-1.0, implementation="cuda")
+    targets = [t for t, *_ in calls]
+    assert sorted(targets) == sorted([_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET] * 2)
+    assert all(attrs["has_gate"] is True for *_, attrs in calls)
+    assert [attrs["gate_cut"] for *_, attrs in calls] == [-np.inf] * 2 + [gate_cut(-1.0)] * 2
+
+
+# The CUDA kernels' cases (head dims the GPU builds compile; bf16): the conformance cases and the
+# threshold's, against the float64 reference.
+CUDA_CASES = [
+    ("flash", 2, 200, 130, 4, 2, 64, True, "dense", "full", None, jnp.bfloat16),
+    ("flash", 1, 257, 300, 8, 2, 128, True, "keys", "keys", None, jnp.bfloat16),
+    ("flash", 2, 96, 190, 4, 1, 64, False, "dense", "keys", 8.0, jnp.bfloat16),
+    ("dpa", 2, 140, 170, 4, 2, 128, True, "dense", None, None, jnp.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDA_CASES, ids=_case_id)
+def test_cuda_matches_float64_reference(case):
+    """The CUDA kernels against the float64 reference, threshold None."""
+    require_cuda_kernel(case[6], case[11])
+    _check_against_float64(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", [(2, 300, 290, 4, 2, 64, False, None, None, -1.0),
+                                  (1, 260, 384, 4, 2, 128, True, "dense", "full", -1.0)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_cuda_threshold_matches_reference_block_rule(case, deterministic):
+    """With a threshold that drops some blocks, the CUDA kernels (and their deterministic dQ)
+    equal the float64 reference applying the same block rule, gradients included."""
+    batch, lq, lk, heads, kv_heads, d, causal, mask_kind, bias_kind, threshold = case
+    require_cuda_kernel(d, jnp.bfloat16)
+    rng = np.random.default_rng(sum(map(hash, map(str, case))) % 2**32)
+    q, k, v, mask, bias, _, _ = _case_inputs(
+        ("flash", batch, lq, lk, heads, kv_heads, d, causal, mask_kind, bias_kind, None,
+         jnp.bfloat16), rng)
+    alpha, delta = structured_gate(rng, batch, lq, lk, heads, kv_heads)
+    assert kept_pairs(alpha, delta, threshold, heads, kv_heads).any()
+
+    def cuda(q, k, v, bias, alpha, delta):
+        return flash_dmattn(q, k, v, mask, bias, is_causal=causal, return_lse=True,
+                            gate=(alpha, delta), gate_threshold=threshold,
+                            deterministic=deterministic, implementation="cuda")
+    got = results(cuda, q, k, v, bias, alpha, delta)
+    args64 = [to64(x) for x in (q, k, v, bias, alpha, delta)]
+    want = results(_runner("flash", mask, causal, None, threshold, "xla"), *args64)
+    assert_all_close(got, want, jnp.bfloat16, bias is not None)
 
 
 # ---- review: the threshold's decision in the reference (x64) --------------------------------

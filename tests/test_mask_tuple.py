@@ -516,8 +516,9 @@ def test_cuda_lowering_reads_every_combination(monkeypatch):
     """Lowered for a GPU whose build has kernels for the call (a fake CUDA build), a tuple of
     masks of any kinds calls the CUDA kernels (no warning, implementation="cuda" included) with
     every member in its own slot (mask, key ranges, row ranges, block indices; the mask's map and
-    bits last) and its flags set; beside a gate or a softmax threshold, which the CUDA kernels do
-    not take yet, the same tuple still goes to the reference ("cuda" raises)."""
+    bits last) and its flags set, beside a gate too (alpha and delta after the members); beside a
+    softmax threshold, which the CUDA kernels do not take yet, the same tuple goes to the
+    reference ("cuda" raises)."""
     calls = record_ffi_calls(monkeypatch)
     fake_cuda_build(monkeypatch, [16], mask_map_cell=64)
     rng = np.random.default_rng(4)
@@ -542,10 +543,14 @@ def test_cuda_lowering_reads_every_combination(monkeypatch):
                                    operands, **{flags[kind]: kind in kinds for kind in KINDS})
     gate = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
                  for shape in ((2, 24, 4), (2, 32, 2)))
-    for kw, reason in ((dict(gate=gate), "do not take a gate"),
-                       (dict(softmax_threshold=0.5), "do not take softmax_threshold")):
-        with pytest.raises(ValueError, match=reason):
-            lower_for_cuda(q, k, v, (dense, keys, rows, block), implementation="cuda", **kw)
+    operands = [x for kind in KINDS for x in slots[kind]]
+    operands += [((2, 24, 4), jnp.dtype(jnp.float32)), ((2, 32, 2), jnp.dtype(jnp.float32))]
+    operands += mask_summaries(2, 1, 24, 32)
+    assert_cuda_lowering_reads(calls, q, k, v, tuple(members[kind] for kind in KINDS), operands,
+                               gate=gate, has_gate=True, **{flags[kind]: True for kind in KINDS})
+    with pytest.raises(ValueError, match="do not take softmax_threshold"):
+        lower_for_cuda(q, k, v, (dense, keys, rows, block), implementation="cuda",
+                       softmax_threshold=0.5)
 
 
 def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):

@@ -30,6 +30,11 @@
 // head's band, or with sink keys in the block, of the call's band; with sinks the CTAs run
 // rank-major (BwdParams::ranks_outer), every kv head's sink blocks first.
 //
+// Gated calls (gate.cuh) run kernels of their own (kGatedForms, the forms' code too): the gate's
+// term joins S^T after its GEMM, the walk passes over the grid blocks its threshold drops, and
+// its gradients are summed from each block's dS tile once it is in shared memory
+// (add_gate_grads: computed beside the S^T and dP^T fragments, they doubled the spills).
+//
 // dbias: full-size bias -> dS tiles stored directly; bias broadcast over queries -> per-key sums
 // kept in registers over the CTA's query blocks (and over the query heads that share the entry),
 // stored once; shapes whose entries are shared between CTAs -> fp32 atomics into a workspace.
@@ -38,6 +43,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -300,10 +306,13 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 
   static_assert((BN + kStages * BM) * 4 <= kSegmentSmem, "the ids fit the segment prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
-  // Segment ids: the kv ids of the key block (this pair's batch entry), the q ids of each stage
+  uint8_t* smem = smem_base + IndexPrefixSmem(kIndex);
+  // Segment ids: the kv ids of the key block (this pair's batch entry), the q ids of each stage;
+  // the gate's delta and alpha likewise
   int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);
   int32_t* sRowIds = sKeyIds + BN;
+  float* sKeyDelta = reinterpret_cast<float*>(smem_base + kSegmentSmem);
+  float* sRowAlpha = sKeyDelta + BN;
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
@@ -411,6 +420,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < MA; ++mt) db_acc[mt][0] = db_acc[mt][1] = 0.f;
   bool db_dirty = false;
+  // The gate (kGatedForms kernels): alpha and delta staged with the ids.
+  static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
+  constexpr bool kGated = kIndex == kGatedForms;
 
   int stage = 0;  // Q / dO stage of the current query block (kept across pairs)
   // wgmma tiles: the staged dQ block waiting for its bulk reduction, which thread 0 issues after
@@ -446,6 +458,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     }
     __syncthreads();
     const BwdPair& pp = *reinterpret_cast<const BwdPair*>(smem + Tr::kOffPair);
+    // made where it is read: kept across the blocks, its fields took registers
+    auto gate = [&] { return GateView(p, b, h); };
     int m_first, m_last;
     query_blocks_seeing<BM, BN, kTable>(n0, L, rule, &m_first, &m_last);
 
@@ -470,6 +484,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       if (has_segments) {
         load_ids_async<BM, NT>(sRowIds + st * BM, q_segment_row(p, b) + m0, L.q_len - m0, tid);
       }
+      if constexpr (kGated) {
+        gate().template load_rows_async<BM, NT>(sRowAlpha + st * BM, m0, L.q_len - m0, tid);
+      }
       for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < L.q_len;
         cp_async4(smem_u32(sLse + st * BM + r), ok ? lseg + m0 + r : lseg, ok ? 4 : 0);
@@ -493,7 +510,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         return query_block_walk<BM, BN>(map, has_mask, n0, m_last);
       }
     }();
-    auto next_block = [&](int m, int* flags) { return walk.next(m, flags); };
+    auto next_block = [&](int m, int* flags) {
+      int next = walk.next(m, flags);
+      if constexpr (kGated) {  // past the grid blocks the gate threshold drops
+        while (next <= m_last && !gate().keeps(next * BM, n0)) {
+          next = walk.next(next + 1, flags);
+        }
+      }
+      return next;
+    };
 
     // First active query block; its mask tile (unless all true) loads with its other tiles, and
     // the pair's kv ids with them (read after that block's barrier). A pair without a block
@@ -505,6 +530,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     if (m <= m_last) {
       if (has_segments) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n0, L.kv_len - n0, tid);
+      }
+      if constexpr (kGated) {
+        gate().template load_keys_async<BN, NT>(sKeyDelta, n0, L.kv_len - n0, tid);
       }
       if (!(flags & kTileAll)) load_mask(m, cur);
       load_step(m, stage);
@@ -619,6 +647,14 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
             }
           }
         }
+      }
+
+      if constexpr (kGated) {  // S^T += logsigmoid(alpha_i delta_j) / scale, with the bias
+        const float* alpha = sRowAlpha + stage * BM;
+        for_each_element<MA, NA>([&](int mt, int t, int e) {
+          const float x = alpha[query_of(t, e)] * sKeyDelta[key_of(mt, e)];
+          st[mt][t][e] += log_sigmoid(x) * p.bias_mul;
+        });
       }
 
       // ---------------- visibility, softcap, P = exp(S - lse) -> smem or registers -----------
@@ -860,6 +896,11 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         if (tid == 0) bulk_wait_read();  // the dQ stage was read
       }
       __syncthreads();  // P, dS visible (kEarlyB: Q, dO free); the dQ stage free
+      if constexpr (kGated) {  // the gate's gradients from the dS tile, few registers live
+        add_gate_grads<BN, BM, NT>(
+            gate(), p.dalpha, p.ddelta, sRowAlpha + stage * BM, sKeyDelta, n0, m0, L.kv_len,
+            L.q_len, [&](int j, int i) { return E::to_float(sdS[TileP::off(j, i)]); }, tid);
+      }
       if (db_staged) {
         T* dbg = static_cast<T*>(p.dbias) + pp.dbias_entry +
                  static_cast<int64_t>(m0) * dop.row_stride + n0;
@@ -934,8 +975,9 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
       }
 
       if constexpr (kStages == 1) {
-        // Q, dO, bias (and P) free: the next block loads during phase C
-        if constexpr (!kEarlyB) __syncthreads();
+        // Q, dO, bias (and P) free: the next block loads during phase C (gated: once every
+        // warp has read the stage's alpha in add_gate_grads)
+        if constexpr (!kEarlyB || kGated) __syncthreads();
         if (next <= m_last) load_step(next, 0);
       }
 

@@ -1,7 +1,8 @@
 // Deterministic dq: one CTA per (query block, head, batch) walks its visible key blocks and
 // accumulates dQ = dS K in registers (no atomics), so dq is bitwise reproducible. Used when
 // shape.deterministic; the main backward kernel then skips its dQ phase. Index masks
-// (kIndex) and window tables (kTable) act as in the forward (index_masks.cuh, fwd_kernel.cuh).
+// (kIndex), window tables (kTable) and the gate (gate.cuh) act as in the forward
+// (index_masks.cuh, fwd_kernel.cuh).
 //   S = bias/scale + Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K.
 // On sm_90a (D = 64, 128) the CTA's four warps are one warpgroup and the GEMMs are wgmmas: S and
 // dP from shared memory, dQ += dS K with dS from registers (a warp's accumulator rows are its
@@ -11,6 +12,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -57,14 +59,16 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT;
   constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
   constexpr bool kIndexed = kIndex != kNoIndex;
+  constexpr bool kGated = kIndex == kGatedForms;
   using TileQ = SwizzledTile<BM, D>;
   using TileKV = SwizzledTile<BN, D>;
   const BwdParams& p = dqp.p;
 
-  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
+  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids (and delta) fit the prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
+  uint8_t* smem = smem_base + IndexPrefixSmem(kIndex);
   int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // segment ids: block n's kv ids
+  float* sKeyDelta = reinterpret_cast<float*>(smem_base + kSegmentSmem);  // the gate's, block n's
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sdO = reinterpret_cast<T*>(smem + Tr::kOffdO);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -126,7 +130,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
     load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
                                L.kv_len - n * BN, tid);
   };
-  // V, bias, mask (unless all true) and kv ids (where they differ) of block n.
+  auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
+  // V, bias, mask (unless all true), kv ids (where they differ) and the gate's delta of block n.
   auto load_operands = [&](int n, int flags) {
     load_kv(sV, vg, n);
     if (has_bias) load_bias(n);
@@ -135,6 +140,9 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       if (has_segments && (flags & kTileIndexed)) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
       }
+    }
+    if constexpr (kGated) {
+      gate().template load_keys_async<BN, NT>(sKeyDelta, n * BN, L.kv_len - n * BN, tid);
     }
   };
 
@@ -178,12 +186,29 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo).next(n, flags);
     }
   };
-  auto next_block = [&](int n, int* flags) {
+  auto next_visible = [&](int n, int* flags) {
     if constexpr (kTable) {
       return visible.gap.next(n, flags, walk_next);
     } else {
       return walk_next(n, flags);
     }
+  };
+  // The gate (kGatedForms kernels): alpha of this thread's rows; the walk passes over the grid
+  // blocks its threshold drops (the tiles nest in the grid's blocks).
+  static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
+  float row_alpha[2] = {0.f, 0.f};
+  if constexpr (kGated) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) row_alpha[half] = gate().row(m0 + row0 + half * 8);
+  }
+  auto next_block = [&](int n, int* flags) {
+    int next = next_visible(n, flags);
+    if constexpr (kGated) {
+      while (next >= n_lo && !gate().keeps(m0, next * BN)) {
+        next = next_visible(next - 1, flags);
+      }
+    }
+    return next;
   };
   int flags;  // of block n
   int n = next_block(n_hi - 1, &flags);
@@ -277,6 +302,18 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       }
     }
 
+    if constexpr (kGated) {  // + logsigmoid(alpha_i delta_j) / scale, with the bias
+#pragma unroll
+      for (int t = 0; t < NTS; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float d = sKeyDelta[t * 8 + 2 * tq + e];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            sc[t][2 * half + e] += log_sigmoid(row_alpha[half] * d) * p.bias_mul;
+          }
+        }
+    }
     const bool need_bounds =
         (m0 + BM > L.q_len) || (n0 + BN > L.kv_len) ||
         (static_cast<int64_t>(n0) - (m0 + BM - 1) < band.dmin) ||

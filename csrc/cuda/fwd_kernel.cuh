@@ -14,7 +14,9 @@
 // result for fwd_combine.cuh. With index masks (kIndex: segment ids, key / row ranges, block
 // indices) the walk also skips the blocks they hide, and blocks they leave partly visible test
 // each score (index_masks.cuh). With a window table (kTable) the range is the kv head's band
-// and its sink's blocks, the walk stepping over the gap between them.
+// and its sink's blocks, the walk stepping over the gap between them. Gated calls (gate.cuh) run
+// kernels of their own (kGatedForms, the forms' code too): the scores gain the gate's term with
+// the bias, and the walk passes over the grid blocks the gate threshold drops.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -24,6 +26,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
@@ -186,13 +189,15 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
   constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
   constexpr bool kIndexed = kIndex != kNoIndex;
+  constexpr bool kGated = kIndex == kGatedForms;
   using TileQ = SwizzledTile<BM, D>;
   using TileKV = SwizzledTile<BN, D>;
 
-  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids fit the segment prefix");
+  static_assert(BN * 4 <= kSegmentSmem, "a key block's ids (and delta) fit the prefix");
   extern __shared__ __align__(128) uint8_t smem_base[];
-  uint8_t* smem = smem_base + (kIndexed ? kSegmentSmem : 0);
+  uint8_t* smem = smem_base + IndexPrefixSmem(kIndex);
   int32_t* sKeyIds = reinterpret_cast<int32_t*>(smem_base);  // segment ids: block n's kv ids
+  float* sKeyDelta = reinterpret_cast<float*>(smem_base + kSegmentSmem);  // the gate's, block n's
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
@@ -262,8 +267,9 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     load_tile_async<BN, D, NT>(dst, src + static_cast<int64_t>(n) * BN * kv_rs, kv_rs,
                                L.kv_len - n * BN, tid);
   };
-  // K, bias and (unless all true) mask of block n, and its kv ids where the ids differ: one
-  // commit group.
+  auto gate = [&] { return GateView(p, b, h); };  // made where read (registers)
+  // K, bias and (unless all true) mask of block n, its kv ids where the ids differ and the
+  // gate's delta: one commit group.
   auto load_block = [&](int n, int flags) {
     load_kv(sK, kg, n);
     if (has_bias) load_bias(n);
@@ -272,6 +278,9 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       if (has_segments && (flags & kTileIndexed)) {
         load_ids_async<BN, NT>(sKeyIds, kv_segment_row(p, b) + n * BN, L.kv_len - n * BN, tid);
       }
+    }
+    if constexpr (kGated) {
+      gate().template load_keys_async<BN, NT>(sKeyDelta, n * BN, L.kv_len - n * BN, tid);
     }
     cp_async_commit();
   };
@@ -293,12 +302,31 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       return make_walk().next(n, flags);
     }
   };
-  auto next_block = [&](int n, int* flags) {
+  auto next_visible = [&](int n, int* flags) {
     if constexpr (kTable) {
       return visible.gap.next(n, flags, walk_next);
     } else {
       return walk_next(n, flags);
     }
+  };
+  // The gate (kGatedForms kernels): alpha of this thread's rows; the walk passes over the grid
+  // blocks its threshold drops (the tiles nest in the grid's blocks).
+  static_assert(kGateBlockQ % BM == 0 && kGateBlockK % BN == 0, "tiles nest in the gate grid");
+  float row_alpha[kGated ? 2 * MT : 1];
+  if constexpr (kGated) {
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) {
+      row_alpha[r] = gate().row(m0 + warp * Tr::kRowsPerWarp + (r >> 1) * 16 + g + (r & 1) * 8);
+    }
+  }
+  auto next_block = [&](int n, int* flags) {
+    int next = next_visible(n, flags);
+    if constexpr (kGated) {
+      while (next >= n_lo && !gate().keeps(m0, next * BN)) {
+        next = next_visible(next - 1, flags);
+      }
+    }
+    return next;
   };
 
   // ---- prologue -------------------------------------------------------------------------
@@ -372,6 +400,14 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       for_each_element<MT, NTS>([&](int mt, int t, int e) { sc[mt][t][e] = 0.f; });
     }
     scores_gemm<Tr>(sc, sQ, sK, warp_row0, lane);
+    if constexpr (kGated) {  // + logsigmoid(alpha_i delta_j) / scale, with the bias
+      for_each_pair<MT, NTS>([&](int mt, int t, int half) {
+        const float2 d = *reinterpret_cast<const float2*>(sKeyDelta + t * 8 + 2 * tq);
+        const float a = row_alpha[2 * mt + half];
+        sc[mt][t][2 * half] += log_sigmoid(a * d.x) * p.bias_mul;
+        sc[mt][t][2 * half + 1] += log_sigmoid(a * d.y) * p.bias_mul;
+      });
+    }
 
     // softcap, then visibility
     if (p.softcap > 0.f) {

@@ -10,14 +10,25 @@
 
 namespace dmattn::cuda {
 
-// The index masks a kernel compiles (its kIndex template argument): none, segment ids alone, or
-// the forms beside optional segment ids. The segment-id kernels compile none of the forms' code
-// (with it, the packed backward ran 1.57 -> 1.64 ms on an H100: registers).
-enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2 };
+// The index masks a kernel compiles (its kIndex template argument): none, segment ids alone,
+// the forms beside optional segment ids, or those and the gate (gate.cuh). The segment-id
+// kernels compile none of the forms' code (with it, the packed backward ran 1.57 -> 1.64 ms on an
+// H100: registers), the forms' none of the gate's (with it, their sm_90a D128 backward spilled
+// 452 -> 648 bytes).
+enum IndexKind : int { kNoIndex = 0, kSegmentIds = 1, kFormsAndIds = 2, kGatedForms = 3 };
+
+// Shared memory ahead of a kIndex kernel's tiles: the segment ids' (kSegmentSmem), and for the
+// gate as much again (gate.cuh: a key block's delta, each query stage's alpha, laid out as the
+// ids).
+constexpr int IndexPrefixSmem(int index) {
+  return index == kNoIndex ? 0 : index == kGatedForms ? 2 * kSegmentSmem : kSegmentSmem;
+}
+constexpr int kMaxIndexPrefixSmem = IndexPrefixSmem(kGatedForms);
 
 // The kind of a call's index masks.
 template <typename Params>
 inline int IndexKindOf(const Params& p) {
+  if (p.alpha != nullptr) return kGatedForms;
   return p.forms.present ? kFormsAndIds : (p.q_segments != nullptr ? kSegmentIds : kNoIndex);
 }
 
@@ -26,11 +37,11 @@ namespace detail {
 // What a kIndex kernel's call has: segment ids, forms (compile-time false where not compiled).
 template <int kIndex, typename Params>
 __device__ __forceinline__ bool has_segment_ids(const Params& p) {
-  return kIndex == kSegmentIds || (kIndex == kFormsAndIds && p.q_segments != nullptr);
+  return kIndex == kSegmentIds || (kIndex >= kFormsAndIds && p.q_segments != nullptr);
 }
 template <int kIndex, typename Params>
 __device__ __forceinline__ bool has_mask_forms(const Params& p) {
-  return kIndex == kFormsAndIds && p.forms.present;
+  return kIndex >= kFormsAndIds && p.forms.present;
 }
 
 // The index masks of one (batch entry b, query head h), whose forms' entries are `entries`

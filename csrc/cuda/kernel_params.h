@@ -146,6 +146,9 @@ struct FwdParams {
   // Last, so that the kernels without a table see the other fields where they always were.
   HeadWindows windows;
   MaskForms forms;  // after the table, for the same reason
+  // The gate (gate.cuh), or null: alpha [*batch, Lq, H], delta [*batch, Lk, Hk], fp32.
+  const float* alpha;
+  const float* delta;
 };
 
 // dbias handling in the backward.
@@ -222,6 +225,12 @@ struct BwdParams {
   bool ranks_outer;
   HeadWindows windows;
   MaskForms forms;
+  // The gate (gate.cuh), or null (as FwdParams'), and its gradients (fp32, zeroed by the
+  // launcher, the kernels add into them).
+  const float* alpha;
+  const float* delta;
+  float* dalpha;
+  float* ddelta;
 };
 
 }  // namespace dmattn::cuda

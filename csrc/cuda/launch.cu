@@ -269,7 +269,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms();
+         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() && !s.has_gate;
 }
 
 bool DecodeTakes(const AttentionShape& s) {
@@ -424,6 +424,9 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
   p.kv_lens = shape.has_seqlens ? args.kv_lens : nullptr;
   p.page_table = shape.pages.present() ? args.page_table : nullptr;
+  p.alpha = shape.has_gate ? args.alpha : nullptr;
+  p.delta = shape.has_gate ? args.delta : nullptr;
+  if (shape.has_gate && (p.alpha == nullptr || p.delta == nullptr)) return cudaErrorInvalidValue;
   p.out = args.out;
   p.out_f32 = args.out_f32;
   p.lse = args.lse;
@@ -515,6 +518,27 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
   p.v = args.v;
   p.dout = args.dout;
   p.lse = args.lse;
+  if (shape.has_gate) {  // the kernels add the gate's gradients into zeros
+    if (args.alpha == nullptr || args.delta == nullptr || args.dalpha == nullptr ||
+        args.ddelta == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+    p.alpha = args.alpha;
+    p.delta = args.delta;
+    p.dalpha = args.dalpha;
+    p.ddelta = args.ddelta;
+    const int64_t b = shape.batch_count();
+    if (cudaError_t e = cudaMemsetAsync(p.dalpha, 0, b * shape.seqlen_q * shape.num_heads * 4,
+                                        stream);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaMemsetAsync(p.ddelta, 0,
+                                        b * shape.seqlen_k * shape.num_kv_heads * 4, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   p.softmax_d = args.softmax_d;
   p.mask = shape.mask.present ? reinterpret_cast<const uint8_t*>(args.mask) : nullptr;
   p.bias = shape.bias.present ? args.bias : nullptr;
@@ -576,8 +600,10 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     } else {
       p.dbias_mode = kDbiasDirect;
       const bool full_rows = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
-      // The fill pass knows the tiles that the band and the mask skip, not the index masks'.
-      p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms();
+      // The fill pass knows the tiles that the band and the mask skip, not those the index
+      // masks or the gate threshold drop.
+      p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms() &&
+                     !(shape.has_gate && shape.gate_cut > -INFINITY);
       p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }

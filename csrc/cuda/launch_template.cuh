@@ -55,6 +55,7 @@ inline auto PickRules(int index, bool table, Kernel kernel) {
   switch (index) {
     case kSegmentIds: return with_table(std::integral_constant<int, kSegmentIds>{});
     case kFormsAndIds: return with_table(std::integral_constant<int, kFormsAndIds>{});
+    case kGatedForms: return with_table(std::integral_constant<int, kGatedForms>{});
     default: return with_table(std::integral_constant<int, kNoIndex>{});
   }
 }
@@ -68,9 +69,9 @@ inline int64_t BackwardCtas(const BwdLaunch& l, int bn) {
 // sm_80's 163 KB of shared memory.
 template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTilesSm80 : BwdTiles<D, Main, NarrowTile> {
-  static_assert(Main::kSmem + kSegmentSmem <= kSmemLimitSm80 &&
-                    NarrowTile::kSmem + kSegmentSmem <= kSmemLimitSm80,
-                "backward tiles must fit sm_80, with the segment ids' prefix");
+  static_assert(Main::kSmem + kMaxIndexPrefixSmem <= kSmemLimitSm80 &&
+                    NarrowTile::kSmem + kMaxIndexPrefixSmem <= kSmemLimitSm80,
+                "backward tiles must fit sm_80, with the index masks' prefix");
   static bool UseNarrow(const BwdLaunch& l) {
     return BackwardCtas(l, Main::BN) < 4 * static_cast<int64_t>(MultiProcessors()) ||
            FinerBlocks(l.p.s, Main::BM, Main::BN);
@@ -107,9 +108,9 @@ template <int D, typename Main, typename NarrowTile = Main>
 struct BwdTilesSm90 : BwdTiles<D, Main, NarrowTile> {
   static_assert(Main::kWgmma == NarrowTile::kWgmma, "both tiles on wgmma (in sm_90a code)");
   static_assert(Main::kFitsQueryBias && NarrowTile::kFitsQueryBias, "both tiles take any bias");
-  static_assert(Main::kSmem + kSegmentSmem <= kSmemLimitSm90 &&
-                    NarrowTile::kSmem + kSegmentSmem <= kSmemLimitSm90,
-                "and segment ids");
+  static_assert(Main::kSmem + kMaxIndexPrefixSmem <= kSmemLimitSm90 &&
+                    NarrowTile::kSmem + kMaxIndexPrefixSmem <= kSmemLimitSm90,
+                "and the index masks' prefix");
   static bool UseNarrow(const BwdLaunch& l) {
     return BackwardCtas(l, Main::BN) < 2 * static_cast<int64_t>(MultiProcessors()) ||
            FinerBlocks(l.p.s, Main::BM, Main::BN);
@@ -212,12 +213,13 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
       static_cast<int64_t>(p.m_blocks) * p.s.batch_count() * p.s.num_heads * p.num_splits;
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
-  const int index = kFormsOnly ? kFormsAndIds : IndexKindOf(p);
+  const int index = IndexKindOf(p);  // kFormsOnly: kFormsAndIds or kGatedForms
   auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
-    constexpr int kIndex = kFormsOnly ? kFormsAndIds : decltype(i)::value;
+    constexpr int kIndex =
+        kFormsOnly && decltype(i)::value < kFormsAndIds ? kFormsAndIds : decltype(i)::value;
     return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
   });
-  const int prefix = index != kNoIndex ? kSegmentSmem : 0;  // the segment ids' tile
+  const int prefix = IndexPrefixSmem(index);
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
   const int smem = prefix + (p.mask != nullptr ? Tr::kSmem
@@ -408,7 +410,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     };
     auto kernel = p.bias != nullptr ? kernel_with_bias(std::true_type{})
                                     : kernel_with_bias(std::false_type{});
-    const int smem = (index != kNoIndex ? kSegmentSmem : 0) +
+    const int smem = IndexPrefixSmem(index) +
                      Tr::SmemBytes(p.mask != nullptr, p.bias != nullptr, s.bias.row_stride == 0);
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), Tr::kNT, smem, stream>>>(p);
@@ -437,7 +439,7 @@ cudaError_t RunBackwardTiles(const BwdLaunch& launch, cudaStream_t stream) {
     auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
       return dq_kernel<DqTr, T, decltype(i)::value, decltype(table)::value>;
     });
-    const int smem = (index != kNoIndex ? kSegmentSmem : 0) + DqTr::kSmem;
+    const int smem = IndexPrefixSmem(index) + DqTr::kSmem;
     if (cudaError_t e = PrepareSmem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(blocks), DqTr::kNT, smem, stream>>>(dp);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

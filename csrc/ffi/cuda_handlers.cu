@@ -34,11 +34,6 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                       "jax_dmattn: the CUDA kernels do not take softmax_threshold (tile "
                       "skipping) yet (issue 27)");
   }
-  if (shape.has_gate) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not take a gate (gated attention) yet "
-                      "(issue 27)");
-  }
   if (shape.pages.present() && std::string(cuda::ForwardKernelName(shape)) != "decode") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: only the CUDA decode forward reads a paged cache, and it does "

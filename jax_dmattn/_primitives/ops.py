@@ -261,14 +261,13 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     return None
 
 
-def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
-                has_gate: bool = False) -> bool:
+def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
-    without a kernel for the call (or with a gate or a softmax threshold, which the CUDA kernels
-    do not take yet, or a window table of too many kv heads: the first of them missing is the
-    reason), implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
+    without a kernel for the call (or with a softmax threshold, which the CUDA kernels do not
+    take yet, or a window table of too many kv heads: the first of them missing is the reason),
+    implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
     reference). Every mask form (a bool mask, key ranges, row ranges, block indices and their
-    tuples) and segment ids run on the CUDA kernels."""
+    tuples), segment ids and the gate run on the CUDA kernels."""
     requested = params.implementation
     if requested is not None and requested != "xla" and requested != platform:
         raise ValueError(
@@ -286,10 +285,6 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                        f"heads, not {len(params.window_sizes)}",
                        "A table of one window without sink for every kv head runs on the CUDA "
                        "kernels at any head count.")
-    if missing is None and has_gate:
-        missing = ("the CUDA kernels do not take a gate (gated attention, gate=) yet",
-                   "Gated attention runs on the CPU kernels and the reference for now "
-                   "(issue 27).")
     if missing is None and params.softmax_threshold is not None:
         missing = ("the CUDA kernels do not take softmax_threshold (tile skipping) yet",
                    "Tile skipping runs on the CPU kernels and the reference for now (issue 27).")
@@ -332,7 +327,7 @@ def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
 def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
         q_aval = ctx.avals_in[0]
-        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts.has_gate):
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1]):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)

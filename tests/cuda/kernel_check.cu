@@ -148,6 +148,15 @@ struct Case {
   // of block_q rows.
   OperandSpec key_ranges, row_ranges, block_indices;
   int64_t block_q = 64, block_k = 64, block_slots = 4;
+  bool key_ranges_all = false;  // every key seen by every row (benchmarks: the forms' kernels)
+  // Gated attention (AttentionShape::has_gate): alpha [B, Lq, H] and delta [B, Lk, Hk] drawn
+  // normal with std gate_std. With a cut (gate_cut > -inf), alpha is 0.5 + |normal| and the
+  // delta of the 128-key grid blocks but every gate_keep_every-th lies 6 lower, so that the cut
+  // drops those blocks whole and keeps the others. dalpha / ddelta are compared too.
+  bool gate = false;
+  float gate_std = 1.f;
+  double gate_cut = -INFINITY;
+  int gate_keep_every = 2;
 };
 
 int64_t Prod(const std::vector<int64_t>& v) {
@@ -182,6 +191,7 @@ struct Problem {
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> q_seg, kv_seg;  // [segment rows, Lq] / [segment rows, Lk]
   std::vector<int32_t> key_start, key_end, row_start, row_end, block_indices;  // the forms
+  std::vector<float> alpha, delta;  // the gate
   // The case's table, flat; s.head_windows points into it (shared: copies keep it alive).
   std::shared_ptr<std::vector<int64_t>> head_windows;
 };
@@ -342,6 +352,10 @@ void MakeForms(const Case& c, std::mt19937_64& rng, Problem* P) {
   if (c.key_ranges.present) {
     s.key_ranges = Layout(c.key_ranges, c, OperandBatch(c.key_ranges, c), 1, c.Lk);
     DrawRanges(rng, s.key_ranges.num_elements / c.Lk, c.Lk, c.Lq, &P->key_start, &P->key_end);
+    if (c.key_ranges_all) {
+      std::fill(P->key_start.begin(), P->key_start.end(), 0);
+      std::fill(P->key_end.begin(), P->key_end.end(), static_cast<int32_t>(c.Lq));
+    }
   }
   if (c.row_ranges.present) {
     s.row_ranges = Layout(c.row_ranges, c, OperandBatch(c.row_ranges, c), c.Lq, 1);
@@ -477,6 +491,19 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
   }
   if (c.seg_docs > 0) MakeSegments(c, rng, &P);
   MakeForms(c, rng, &P);  // drawn last: the other cases keep their inputs
+  if (c.gate) {
+    s.has_gate = true;
+    s.gate_cut = c.gate_cut;
+    P.alpha.resize(P.B * c.Lq * c.H);
+    P.delta.resize(P.B * c.Lk * c.Hk);
+    const bool cut = c.gate_cut > -INFINITY;
+    for (auto& e : P.alpha) e = cut ? 0.5f + std::fabs(nd(rng)) : nd(rng) * c.gate_std;
+    for (size_t k = 0; k < P.delta.size(); ++k) {
+      const int64_t j = static_cast<int64_t>(k) / c.Hk % c.Lk;
+      const bool dropped = cut && j / dmattn::kGateBlockK % c.gate_keep_every != 0;
+      P.delta[k] = nd(rng) * c.gate_std - (dropped ? 6.f : 0.f);
+    }
+  }
   return P;
 }
 
@@ -484,7 +511,7 @@ Problem Build(const Case& c, uint64_t seed, bool fast = false) {
 // Host reference (double)
 // ---------------------------------------------------------------------------------------------
 struct Ref {
-  std::vector<double> out, lse, dq, dk, dv, dbias;
+  std::vector<double> out, lse, dq, dk, dv, dbias, dalpha, ddelta;
   std::vector<char> empty_row;  // [B, H, Lq]
 };
 
@@ -499,6 +526,8 @@ Ref Reference(const Problem& P) {
   R.dk.assign(P.dkv_elems, 0.0);
   R.dv.assign(P.dkv_elems, 0.0);
   R.dbias.assign(P.dbias_elems, 0.0);
+  R.dalpha.assign(P.alpha.size(), 0.0);
+  R.ddelta.assign(P.delta.size(), 0.0);
   R.empty_row.assign(B * H * Lq, 0);
   std::vector<double> qd(P.q.size()), kd(P.k.size()), vd(P.v.size()), dod(P.dout.size()),
       bd(P.bias.size());
@@ -533,7 +562,27 @@ Ref Reference(const Problem& P) {
     const int32_t* blocks = s.block_indices.present
                                 ? P.block_indices.data() + s.block_indices.offset(s.batch, b, h)
                                 : nullptr;
-    std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0);
+    // the gate of (b, h): alpha_i, delta_j, and whether the threshold keeps grid block (i, j)
+    const float* alpha = s.has_gate ? P.alpha.data() + s.alpha_offset(b, h) : nullptr;
+    const float* delta = s.has_gate ? P.delta.data() + s.delta_offset(b, hk) : nullptr;
+    auto gate_keeps = [&](int64_t i, int64_t j) {
+      if (!(s.gate_cut > -INFINITY)) return true;
+      const int64_t i0 = i / dmattn::kGateBlockQ * dmattn::kGateBlockQ;
+      const int64_t j0 = j / dmattn::kGateBlockK * dmattn::kGateBlockK;
+      double a_lo = INFINITY, a_hi = -INFINITY, d_lo = INFINITY, d_hi = -INFINITY;
+      for (int64_t r = i0; r < std::min(i0 + dmattn::kGateBlockQ, Lq); ++r) {
+        a_lo = std::min<double>(a_lo, alpha[r * H]);
+        a_hi = std::max<double>(a_hi, alpha[r * H]);
+      }
+      for (int64_t k = j0; k < std::min(j0 + dmattn::kGateBlockK, Lk); ++k) {
+        d_lo = std::min<double>(d_lo, delta[k * Hk]);
+        d_hi = std::max<double>(d_hi, delta[k * Hk]);
+      }
+      for (const double corner : {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi})
+        if (!(corner < s.gate_cut)) return true;
+      return false;
+    };
+    std::vector<double> dk_l(Lk * D, 0.0), dv_l(Lk * D, 0.0), dd_l(alpha ? Lk : 0, 0.0);
     std::vector<std::pair<int64_t, double>> db_l;
     std::vector<double> sc(Lk), p(Lk), tt(Lk), dp(Lk);
     std::vector<char> vis(Lk);
@@ -561,6 +610,7 @@ Ref Reference(const Problem& P) {
         if (v && listed != nullptr) {  // entries naming no block never equal j's block
           v = std::find(listed, listed + s.block_slots, j / s.block_k) != listed + s.block_slots;
         }
+        if (v && alpha != nullptr) v = gate_keeps(i, j);
         vis[j] = v;
         if (!v) continue;
         const double* kj = &kd[kvo + j * s.kv_row_stride()];
@@ -568,6 +618,10 @@ Ref Reference(const Problem& P) {
         for (int64_t e = 0; e < D; ++e) dot += qi[e] * kj[e];
         double z = scale * dot;
         if (s.bias.present) z += bd[bo + i * s.bias.row_stride + j * s.bias.col_stride];
+        if (alpha != nullptr) {  // + logsigmoid(alpha_i delta_j)
+          const double x = static_cast<double>(alpha[i * H]) * delta[j * Hk];
+          z += std::min(x, 0.0) - std::log1p(std::exp(-std::fabs(x)));
+        }
         if (cap > 0) {
           tt[j] = std::tanh(z / cap);
           z = cap * tt[j];
@@ -616,6 +670,12 @@ Ref Reference(const Problem& P) {
         }
         if (s.bias.present)
           db_l.push_back({dbo + i * s.dbias.row_stride + j * s.dbias.col_stride, ds});
+        if (alpha != nullptr) {  // d logsigmoid(x) = sigmoid(-x) dx, x = alpha_i delta_j
+          const double x = static_cast<double>(alpha[i * H]) * delta[j * Hk];
+          const double gds = ds / (1.0 + std::exp(x));
+          R.dalpha[s.alpha_offset(b, h) + i * H] += gds * delta[j * Hk];  // row (b, h, i): this task's
+          dd_l[j] += gds * alpha[i * H];
+        }
       }
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -625,6 +685,8 @@ Ref Reference(const Problem& P) {
         R.dv[dkvo + j * s.kv_row_stride() + e] += dv_l[j * D + e];
       }
     for (auto& x : db_l) R.dbias[x.first] += x.second;
+    for (int64_t j = 0; j < static_cast<int64_t>(dd_l.size()); ++j)
+      R.ddelta[s.delta_offset(b, hk) + j * Hk] += dd_l[j];
   };
   const int64_t tasks = B * H;
   const int nth = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
@@ -664,7 +726,7 @@ void* Poisoned(size_t bytes) {
 
 struct DeviceOut {
   std::vector<uint16_t> out, dq, dk, dv, dbias;
-  std::vector<float> lse;
+  std::vector<float> lse, dalpha, ddelta;
 };
 
 struct Err {
@@ -681,6 +743,19 @@ Err Compare16(const std::vector<uint16_t>& x, const std::vector<double>& ref, co
     const double v = dt.dec(x[i]);
     if (!std::isfinite(v)) e.nan = true;
     num += (v - ref[i]) * (v - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  e.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return e;
+}
+
+// fp32 results (the gate's gradients): relative RMS error, as Compare16.
+Err Compare32(const std::vector<float>& x, const std::vector<double>& ref) {
+  Err e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(x[i])) e.nan = true;
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
     den += ref[i] * ref[i];
   }
   e.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
@@ -718,6 +793,7 @@ struct Buffers {
   int32_t *ql, *kl;
   int32_t *qs, *ks;  // segment ids
   int32_t *key_start, *key_end, *row_start, *row_end, *block_indices;  // the O(L) mask forms
+  float *alpha, *delta;  // the gate
   int32_t* page_table = nullptr;  // k and v as a paged cache (PagedMatchesContiguous)
 };
 
@@ -776,6 +852,8 @@ FwdOut RunForwardDevice(const Problem& P, const Buffers& in, DeviceOut* r, float
   fa.row_start = in.row_start;
   fa.row_end = in.row_end;
   fa.block_indices = in.block_indices;
+  fa.alpha = in.alpha;
+  fa.delta = in.delta;
   fa.page_table = in.page_table;
   fa.out = f.out;
   fa.lse = f.lse;
@@ -828,6 +906,12 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   ba.row_start = in.row_start;
   ba.row_end = in.row_end;
   ba.block_indices = in.block_indices;
+  ba.alpha = in.alpha;
+  ba.delta = in.delta;
+  float* dalpha = P.alpha.empty() ? nullptr : static_cast<float*>(Poisoned(P.alpha.size() * 4));
+  float* ddelta = P.delta.empty() ? nullptr : static_cast<float*>(Poisoned(P.delta.size() * 4));
+  ba.dalpha = dalpha;
+  ba.ddelta = ddelta;
   ba.dq = dq;
   ba.dk = dk;
   ba.dv = dv;
@@ -843,7 +927,10 @@ void RunBackwardDevice(const Problem& P, const Buffers& in, const FwdOut& f, Dev
   r->dk = Download(static_cast<uint16_t*>(dk), P.dkv_elems);
   r->dv = Download(static_cast<uint16_t*>(dv), P.dkv_elems);
   if (dbias) r->dbias = Download(static_cast<uint16_t*>(dbias), P.dbias_elems);
-  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1})
+  if (dalpha) r->dalpha = Download(dalpha, P.alpha.size());
+  if (ddelta) r->ddelta = Download(ddelta, P.delta.size());
+  for (void* p : {dq, dk, dv, dbias, static_cast<void*>(sd), ws0, ws1, static_cast<void*>(dalpha),
+                  static_cast<void*>(ddelta)})
     if (p) CK(cudaFree(p));
 }
 
@@ -909,6 +996,8 @@ Buffers UploadInputs(const Problem& P) {
   b.row_start = Upload(P.row_start);
   b.row_end = Upload(P.row_end);
   b.block_indices = Upload(P.block_indices);
+  b.alpha = Upload(P.alpha);
+  b.delta = Upload(P.delta);
   return b;
 }
 void FreeInputs(Buffers& b) {
@@ -921,7 +1010,8 @@ void FreeInputs(Buffers& b) {
                   static_cast<void*>(b.qs), static_cast<void*>(b.ks),
                   static_cast<void*>(b.key_start), static_cast<void*>(b.key_end),
                   static_cast<void*>(b.row_start), static_cast<void*>(b.row_end),
-                  static_cast<void*>(b.block_indices)})
+                  static_cast<void*>(b.block_indices), static_cast<void*>(b.alpha),
+                  static_cast<void*>(b.delta)})
     if (p) CK(cudaFree(p));
 }
 
@@ -1398,6 +1488,25 @@ std::vector<Case> AllCases() {
     c.block_k = 200; c.block_slots = 6; add(c);
   }
   {
+    // gated attention: exact, and with a cut that drops every odd grid key block
+    Case c; c.name = "gate_q300_k520_d128_gqa_causal_mask_bias"; c.batch = {2}; c.H = 4;
+    c.Hk = 2; c.Lq = 300; c.Lk = 520; c.D = 128; c.causal = true; c.gate = true;
+    c.mask = Op({2}, 4, true, true); c.bias = Op({1}, 4, true, true); add(c);
+    c = Case(); c.name = "gate_cut_q600_k700_d64_mask_seqlens"; c.batch = {2}; c.H = 2;
+    c.Hk = 1; c.Lq = 600; c.Lk = 700; c.D = 64; c.gate = true; c.gate_cut = -1.5;
+    c.mask = Op({1}, 1, true, true); c.seqlens = true; c.q_lens = {600, 257};
+    c.kv_lens = {700, 390}; add(c);
+    c = Case(); c.name = "gate_cut_split_q4_k3000_d128_softcap"; c.batch = {2}; c.H = 4;
+    c.Hk = 1; c.Lq = 4; c.Lk = 3000; c.D = 128; c.gate = true; c.gate_cut = -1.5;
+    c.softcap = 20.f; add(c);
+    c = Case(); c.name = "gate_cut_q333_k400_d64_segments_key_ranges"; c.H = 2; c.Hk = 2;
+    c.Lq = 333; c.Lk = 400; c.D = 64; c.gate = true; c.gate_cut = -1.5; c.seg_docs = 3;
+    c.key_ranges = Form({1}, 1); add(c);
+    c = Case(); c.name = "gate_cut_det_q300_k400_d128_causal_dlse"; c.H = 4; c.Hk = 1;
+    c.Lq = 300; c.Lk = 400; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
+    c.deterministic = true; c.dlse = true; add(c);
+  }
+  {
     // the decode forward (Lq <= 16): the query heads of a kv head packed into one tile; 16 rows
     // a CTA (warps split the keys four ways), 32 (two ways), 64 and more (row blocks)
     Case c; c.name = "decode_q1_g4_k4100_d128_mask_holes_perkey_bias"; c.batch = {2}; c.H = 8;
@@ -1486,6 +1595,11 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_q17_k128_d128_mask_bias_causal"; c.H = 2; c.Hk = 1; c.Lq = 17;
     c.Lk = 128; c.D = 128; c.causal = true; c.mask = Op({1}, 2, true, true);
     c.bias = Op({1}, 1, false, true); v.push_back(c);
+  }
+  {
+    Case c; c.name = "quick_gate_cut_q200_k300_d128_causal_bias"; c.H = 2; c.Hk = 1; c.Lq = 200;
+    c.Lk = 300; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
+    c.bias = Op({1}, 2, true, true); v.push_back(c);
   }
   {
     Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;
@@ -1870,6 +1984,21 @@ void Bench(bool variants, const std::string& only) {
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L16k H2 Hk1 (dense flops)", c, 0});
   }
   {
+    // issue 27: gated attention (the FlashAttention-2-class kernels), exact and with a cut that
+    // drops three of every four grid key blocks, against the same kernels without the gate
+    // (key ranges hiding nothing: the kFormsAndIds kernels that gated calls run)
+    Case c = mk("b12", 1, 16, 16, 16384, 128, true, false, false);
+    c.key_ranges = Form({1}, 1);
+    c.key_ranges_all = true;
+    benches.push_back({"key ranges (all visible) d128 L16k H16 causal", c, 0});
+    c = mk("b12g", 1, 16, 16, 16384, 128, true, false, false);
+    c.gate = true;
+    benches.push_back({"gate d128 L16k H16 causal", c, 0});
+    c.gate_cut = -1.5;
+    c.gate_keep_every = 4;
+    benches.push_back({"gate, cut dropping 3/4 of the key blocks d128 L16k H16 causal", c, 0});
+  }
+  {
     // issue 27: a sink + window vs the same window without sinks (flops of the dense causal call)
     Case c = mk("b10", 1, 16, 16, 16384, 128, true, false, false);
     c.head_windows.assign(16, {0, 1024, 0});
@@ -2123,6 +2252,11 @@ int main(int argc, char** argv) {
     Err eb;
     if (checks_dbias) {
       eb = Worse(Compare16(o.dbias, R.dbias, P.dt), Compare16(plain.dbias, R.dbias, P.dt));
+    }
+    if (c.gate) {  // the dbias column: with a gate, the worst of dbias, dalpha and ddelta
+      for (const DeviceOut* d : {&o, &plain}) {
+        eb = Worse(eb, Worse(Compare32(d->dalpha, R.dalpha), Compare32(d->ddelta, R.ddelta)));
+      }
     }
     if (flash2_bwd) {
       eq = Worse(eq, Compare16(flash2.dq, R.dq, P.dt));
