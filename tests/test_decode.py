@@ -308,13 +308,15 @@ def test_cuda_decode_and_flash2_forward_agree(forward_kernel):
 
 @pytest.mark.gpu
 def test_cuda_dispatcher_keeps_other_calls_off_decode():
-    """The decode kernel's bounds: 16 query rows decode, 17 do not; segment ids and the O(L)
-    mask forms keep the older kernels; head dims outside DECODE_HEAD_DIMS too (where built)."""
+    """The decode kernel's bounds: 16 query rows decode, 17 do not; segment ids, the O(L) mask
+    forms and the gate keep the older kernels; head dims outside DECODE_HEAD_DIMS too (where
+    built)."""
     q, k = (2, 16, 32, 128), (2, 4100, 8, 128)
     assert _ffi.cuda_forward_kernel(q, k) == "decode"
     assert _ffi.cuda_forward_kernel((2, 17, 32, 128), k) != "decode"
     assert _ffi.cuda_forward_kernel(q, k, q_segments=(2, 16), kv_segments=(2, 4100)) != "decode"
     assert _ffi.cuda_forward_kernel(q, k, key_ranges=(2, 32, 1, 4100)) != "decode"
     assert _ffi.cuda_forward_kernel(q, k, row_ranges=(2, 32, 16, 1)) != "decode"
+    assert _ffi.cuda_forward_kernel(q, k, gate=((2, 16, 32), (2, 4100, 8))) != "decode"
     for d in set(_ffi.cuda_head_dims()) - set(DECODE_HEAD_DIMS):
         assert _ffi.cuda_forward_kernel((2, 1, 32, d), (2, 4100, 8, d)) != "decode", d

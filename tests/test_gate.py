@@ -623,6 +623,27 @@ def test_cuda_threshold_matches_reference_block_rule(case, deterministic):
     assert_all_close(got, want, jnp.bfloat16, bias is not None)
 
 
+@pytest.mark.gpu
+def test_cuda_gated_calls_take_flash2_forward_and_threshold_bounds_workspace():
+    """Gated calls run the FlashAttention-2-class forward; a threshold's bounds (float2 [min,
+    max] of alpha and of delta over each 128-row and 128-key grid block) join the workspaces
+    sized at trace time: without them the backward of a small call ran out of workspace and
+    failed with "invalid argument"."""
+    require_cuda_kernel(128, jnp.bfloat16)
+    q, k, dk = (2, 1000, 16, 128), (2, 900, 4, 128), (2, 900, 4, 128)
+    alpha, delta = (2, 1000, 16), (2, 900, 4)
+    assert _ffi.cuda_forward_kernel(q, k, gate=(alpha, delta)) in ("flash2", "flash2_split")
+    ext = _ffi._extension()
+    bounds = -(-(2 * 16 * 8 + 2 * 4 * 8) * 8 // 256) * 256  # float2 a grid block, 256-aligned
+    fwd = [ext.cuda_forward_workspace_bytes(q, k, alpha=alpha, delta=delta, gate_cut=cut)
+           for cut in (-np.inf, gate_cut(-1.0))]
+    bwd = [ext.cuda_backward_workspace_bytes(q, k, dk, [], [], alpha=alpha, delta=delta,
+                                             gate_cut=cut)
+           for cut in (-np.inf, gate_cut(-1.0))]
+    assert fwd[1] - fwd[0] == bounds
+    assert bwd[1] - bwd[0] == bounds
+
+
 # ---- review: the threshold's decision in the reference (x64) --------------------------------
 
 

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dmattn import _ffi, dot_product_attention, flash_dmattn, masks
+from jax_dmattn.params import gate_cut
 
 KINDS = ("dense", "keys", "rows", "blocks")
 
@@ -599,7 +600,8 @@ def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
     args = (q, k, v, bias, dense, ks, ke, rs, re_, indices, q_ids, kv_ids)
     shapes = dict(q_segments=(b, lq), kv_segments=(b, lk), key_ranges=(b, 2, 1, lk),
-                  row_ranges=(b, 4, lq, 1), block_indices=(b, 1, 5, 4), block_q=5, block_k=3)
+                  row_ranges=(b, 4, lq, 1), block_indices=(b, 1, 5, 4), alpha=None, delta=None,
+                  block_q=5, block_k=3)
     jax.jit(grad).trace(*(x[0] for x in args)).lower(lowering_platforms=("cuda",))
     assert asked == [("forward", (b, lq, 4, 16), shapes), ("backward", (b, 2, 1, lk), shapes)]
 
@@ -611,13 +613,26 @@ def test_cuda_workspaces_are_sized_with_every_index_mask(monkeypatch):
     assert asked == [("forward", (v_ * b, lq, 4, 16), merged),
                      ("backward", (v_ * b, 2, 1, lk), merged)], asked
 
+    # a gate with a threshold: alpha's and delta's shapes and the cut (its bounds take
+    # workspace)
+    asked.clear()
+    alpha = jnp.asarray(rng.standard_normal((b, lq, 4)), jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((b, lk, 2)), jnp.float32)
+    jax.jit(jax.grad(lambda q: jnp.sum(flash_dmattn(
+        q, k[0], v[0], gate=(alpha, delta), gate_threshold=-1.0, implementation="cuda")
+        .astype(jnp.float32)))).trace(q[0]).lower(lowering_platforms=("cuda",))
+    gated = {**dict.fromkeys(("q_segments", "kv_segments", "key_ranges", "row_ranges",
+                              "block_indices")),
+             "alpha": (b, lq, 4), "delta": (b, lk, 2), "gate_cut": gate_cut(-1.0)}
+    assert [index_masks for *_, index_masks in asked] == [gated, gated]
+
     # no index mask: every keyword None, no block sizes
     asked.clear()
     lower_for_cuda(q[0], k[0], v[0], dense[0], implementation="cuda")
     none = dict.fromkeys(("q_segments", "kv_segments", "key_ranges", "row_ranges",
-                          "block_indices"))
+                          "block_indices", "alpha", "delta"))
     assert [index_masks for *_, index_masks in asked] == [none, none]
-    assert deterministic_flags == [False] * 3
+    assert deterministic_flags == [False] * 4
 
     lower_for_cuda(q[0], k[0], v[0], dense[0], implementation="cuda", deterministic=True)
     assert deterministic_flags[-1] is True

@@ -69,9 +69,9 @@ int64_t ForwardSplits(const AttentionShape& shape);
 int64_t ForwardWorkspaceBytes(const AttentionShape& shape);
 
 // Bytes at the front of the forward's workspace and of the backward's workspace[1] that a call
-// with index masks (segment ids, key ranges, row ranges, block indices) needs for their
-// summaries (0 without): a workspace of this size alone runs the call unsplit and in plain
-// block order.
+// with index masks (segment ids, key ranges, row ranges, block indices) or a gate threshold
+// needs for their summaries (0 without): a workspace of this size alone runs the call unsplit
+// and in plain block order.
 int64_t IndexMaskBytes(const AttentionShape& shape);
 
 }  // namespace dmattn::cuda

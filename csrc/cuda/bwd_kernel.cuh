@@ -510,10 +510,17 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         return query_block_walk<BM, BN>(map, has_mask, n0, m_last);
       }
     }();
+    auto gate_filter = [&] {  // the threshold's verdicts on this key block's grid row blocks
+      if constexpr (kGated) {
+        return GateFilter<false>(gate(), n0 / static_cast<int>(kGateBlockK));
+      } else {
+        return 0;
+      }
+    }();
     auto next_block = [&](int m, int* flags) {
       int next = walk.next(m, flags);
       if constexpr (kGated) {  // past the grid blocks the gate threshold drops
-        while (next <= m_last && !gate().keeps(next * BM, n0)) {
+        while (next <= m_last && !gate_filter.keeps(next * BM / static_cast<int>(kGateBlockQ))) {
           next = walk.next(next + 1, flags);
         }
       }

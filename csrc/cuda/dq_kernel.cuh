@@ -201,10 +201,17 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
 #pragma unroll
     for (int half = 0; half < 2; ++half) row_alpha[half] = gate().row(m0 + row0 + half * 8);
   }
+  auto gate_filter = [&] {  // the threshold's verdicts on this row block's grid key blocks
+    if constexpr (kGated) {
+      return GateFilter<true>(gate(), m0 / static_cast<int>(kGateBlockQ));
+    } else {
+      return 0;
+    }
+  }();
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
     if constexpr (kGated) {
-      while (next >= n_lo && !gate().keeps(m0, next * BN)) {
+      while (next >= n_lo && !gate_filter.keeps(next * BN / static_cast<int>(kGateBlockK))) {
         next = next_visible(next - 1, flags);
       }
     }

@@ -319,10 +319,17 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
       row_alpha[r] = gate().row(m0 + warp * Tr::kRowsPerWarp + (r >> 1) * 16 + g + (r & 1) * 8);
     }
   }
+  auto gate_filter = [&] {  // the threshold's verdicts on this row block's grid key blocks
+    if constexpr (kGated) {
+      return GateFilter<true>(gate(), m0 / static_cast<int>(kGateBlockQ));
+    } else {
+      return 0;
+    }
+  }();
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
     if constexpr (kGated) {
-      while (next >= n_lo && !gate().keeps(m0, next * BN)) {
+      while (next >= n_lo && !gate_filter.keeps(next * BN / static_cast<int>(kGateBlockK))) {
         next = next_visible(next - 1, flags);
       }
     }

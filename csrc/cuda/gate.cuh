@@ -2,9 +2,10 @@
 // has_gate, gate_cut): each score gains logsigmoid(alpha_i * delta_j), its gradient dS_ij
 // sigmoid(-alpha_i delta_j) goes to dalpha_i with delta_j and to ddelta_j with alpha_i (fp32
 // atomics of a block's sums), and with a threshold a kGateBlockQ x kGateBlockK block of the
-// fixed grid is dropped whole when every alpha_i * delta_j there lies below gate_cut. Gated
-// calls run kernels of their own (IndexKind kGatedForms, with the forms' and ids' code): the
-// block test rides on their tile walks, the score term follows the scores' GEMM.
+// fixed grid is dropped whole when every alpha_i * delta_j there lies below gate_cut (tested on
+// the bounds of alpha and delta over the grid's blocks, gate.cu's pass). Gated calls run kernels
+// of their own (IndexKind kGatedForms, with the forms' and ids' code): the block test rides on
+// their tile walks, the score term follows the scores' GEMM.
 #pragma once
 
 #include <cmath>
@@ -28,33 +29,16 @@ __device__ __forceinline__ float log_sigmoid_grad(float x) {
   return (x >= 0.f ? e : 1.f) / (1.f + e);
 }
 
-// [min, max] of 0 < n <= 128 floats `stride` apart, in double, by the whole warp (each lane
-// four values, then shuffles; every lane gets the result); both NaN where any value is NaN (the
-// CPU kernels' MinMax: fminf / fmaxf alone would pass a NaN over).
-static_assert(kGateBlockQ <= 128 && kGateBlockK <= 128, "a grid block's side: four values a lane");
-__device__ __forceinline__ void warp_min_max(const float* x, int n, int64_t stride, double* lo,
-                                             double* hi) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  float a = INFINITY, b = -INFINITY;
-  bool nan = false;
+// Whether the threshold keeps a grid block whose alpha lies in a = [min, max] and delta in d:
+// unless every corner product lies below the cut (in double, exact for float32 values; a NaN
+// bound keeps it, as on the CPU).
+__device__ __forceinline__ bool gate_keeps(float2 a, float2 d, double cut) {
+  const double corners[4] = {static_cast<double>(a.x) * d.x, static_cast<double>(a.x) * d.y,
+                             static_cast<double>(a.y) * d.x, static_cast<double>(a.y) * d.y};
+  bool keep = false;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int i = lane + 32 * k;
-    if (i < n) {
-      const float v = __ldg(x + i * stride);
-      nan |= isnan(v);
-      a = fminf(a, v);
-      b = fmaxf(b, v);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a = fminf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, o));
-  }
-  nan = __any_sync(0xffffffffu, nan);
-  *lo = nan ? NAN : a;
-  *hi = nan ? NAN : b;
+  for (int k = 0; k < 4; ++k) keep |= !(corners[k] < cut);
+  return keep;
 }
 
 // n <= N floats `stride` apart at src into dst by cp.async (zeros past n).
@@ -68,26 +52,35 @@ __device__ __forceinline__ void load_strided_async(float* dst, const float* src,
   }
 }
 
-// The gate of one (batch entry b, query head h): alpha of its rows, delta of its kv head's keys.
+// The gate of one (batch entry b, query head h): alpha of its rows, delta of its kv head's keys,
+// and with a threshold their bounds over the grid's blocks (GateBounds).
 struct GateView {
   const float* alpha;  // row i at alpha[i * heads]
   const float* delta;  // key j at delta[j * kv_heads]
   int64_t alpha_entry, delta_entry;  // their offsets in alpha and delta (and their gradients)
   int heads, kv_heads;
-  int rows, cols;  // Lq, Lk: the grid's blocks end there whatever the sequence lengths
-  double cut;      // gate_cut; -inf: no threshold
+  int rows;  // Lq
+  const float2* row_bounds;  // [row_blocks], null without a threshold
+  const float2* key_bounds;  // [key_blocks]
+  int row_blocks, key_blocks;
+  double cut;
 
   template <typename Params>
   __device__ __forceinline__ GateView(const Params& p, int64_t b, int h)
       : heads(static_cast<int>(p.s.num_heads)),
         kv_heads(static_cast<int>(p.s.num_kv_heads)),
         rows(static_cast<int>(p.s.seqlen_q)),
-        cols(static_cast<int>(p.s.seqlen_k)),
+        row_blocks(p.gate_bounds.row_blocks),
+        key_blocks(p.gate_bounds.key_blocks),
         cut(p.s.gate_cut) {
+    const int hk = h / static_cast<int>(p.s.heads_per_kv_head());
     alpha_entry = p.s.alpha_offset(b, h);
-    delta_entry = p.s.delta_offset(b, h / static_cast<int>(p.s.heads_per_kv_head()));
-    alpha = p.alpha != nullptr ? p.alpha + alpha_entry : nullptr;
-    delta = p.delta != nullptr ? p.delta + delta_entry : nullptr;
+    delta_entry = p.s.delta_offset(b, hk);
+    alpha = p.alpha + alpha_entry;
+    delta = p.delta + delta_entry;
+    const GateBounds& g = p.gate_bounds;
+    row_bounds = g.rows != nullptr ? g.rows + (b * heads + h) * row_blocks : nullptr;
+    key_bounds = g.keys != nullptr ? g.keys + (b * kv_heads + hk) * key_blocks : nullptr;
   }
 
   // Where row i's alpha and key j's delta (and their gradients) are.
@@ -114,64 +107,105 @@ struct GateView {
   __device__ __forceinline__ void load_rows_async(float* dst, int i0, int n, int tid) const {
     load_strided_async<N, NT>(dst, alpha + static_cast<int64_t>(i0) * heads, heads, n, tid);
   }
+};
 
-  // Whether the threshold keeps the grid block holding row r0 and key c0: unless every corner
-  // product of alpha's and delta's [min, max] over the block lies below the cut (in double,
-  // exact for float32 values; a NaN corner keeps it, as on the CPU). Called by whole warps,
-  // converged (the walks are CTA-uniform).
-  __device__ __forceinline__ bool keeps(int r0, int c0) const {
-    if (!(cut > -INFINITY)) return true;
-    const int i0 = r0 / static_cast<int>(kGateBlockQ) * static_cast<int>(kGateBlockQ);
-    const int j0 = c0 / static_cast<int>(kGateBlockK) * static_cast<int>(kGateBlockK);
-    double a_lo, a_hi, d_lo, d_hi;
-    warp_min_max(alpha + static_cast<int64_t>(i0) * heads,
-                 min(static_cast<int>(kGateBlockQ), rows - i0), heads, &a_lo, &a_hi);
-    warp_min_max(delta + static_cast<int64_t>(j0) * kv_heads,
-                 min(static_cast<int>(kGateBlockK), cols - j0), kv_heads, &d_lo, &d_hi);
-    const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (!(corners[k] < cut)) return true;
-    return false;
+// The threshold's verdicts on the grid blocks a walk visits: the blocks of one grid row (kByKey:
+// the key blocks of row block `fixed`, walked down) or of one grid column (the row blocks of key
+// block `fixed`, walked up), 32 at a time: a lane's bound each, one ballot. Without a threshold
+// every block is kept. Called by whole warps, converged (the walks are CTA-uniform).
+template <bool kByKey>
+struct GateFilter {
+  const float2* walked;  // the bounds of the walked side's blocks
+  int blocks;            // how many
+  float2 fixed;          // the bound of the fixed block
+  double cut;
+  int first = 0;         // the window: blocks first, first -+ 1, ... (down by key, up by row)
+  uint32_t kept = 0;
+  bool loaded = false;
+
+  __device__ __forceinline__ GateFilter(const GateView& g, int fixed_block)
+      : walked(kByKey ? g.key_bounds : g.row_bounds),
+        blocks(kByKey ? g.key_blocks : g.row_blocks),
+        cut(g.cut) {
+    const float2* side = kByKey ? g.row_bounds : g.key_bounds;
+    fixed = side != nullptr ? side[fixed_block] : make_float2(0.f, 0.f);
+  }
+
+  // Whether grid block `block` of the walked side is kept.
+  __device__ __forceinline__ bool keeps(int block) {
+    if (walked == nullptr) return true;
+    const int offset = kByKey ? first - block : block - first;
+    if (!loaded || offset < 0 || offset > 31) {
+      first = block;
+      const int lane = static_cast<int>(threadIdx.x & 31);
+      const int mine = kByKey ? block - lane : block + lane;
+      const bool keep = mine < 0 || mine >= blocks ||
+                        (kByKey ? gate_keeps(fixed, walked[mine], cut)
+                                : gate_keeps(walked[mine], fixed, cut));
+      kept = __ballot_sync(0xffffffffu, keep);
+      loaded = true;
+      return kept & 1u;
+    }
+    return kept >> offset & 1u;
   }
 };
 
+// Sums over a warp's 32 lanes of each of 8 values a lane: lane l ends with the sum of v[l >> 2]
+// (by recursive halving: 9 shuffles instead of 40).
+__device__ __forceinline__ float warp_sum_of_8(float (&v)[8]) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+#pragma unroll
+  for (int half = 4, o = 16; half > 0; half >>= 1, o >>= 1) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int k = 0; k < half; ++k) {
+      const float other = __shfl_xor_sync(0xffffffffu, upper ? v[k] : v[k + half], o);
+      v[k] = (upper ? v[k + half] : v[k]) + other;
+    }
+  }
+  float sum = v[0];
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  return sum;
+}
+
 // A block's gradients of the gate from its dS tile (ds(j, i): key j, query i of the block, the
-// logits' cotangent, in shared memory), added with fp32 atomics: dalpha_i += sum_j dS_ij
-// sigmoid(-x_ij) delta_j and ddelta_j += sum_i dS_ij sigmoid(-x_ij) alpha_i (x = alpha_i
-// delta_j; alpha and delta of the block staged in shared memory), NT / BN threads a key and
-// NT / BM a row, each over a slice of the other side.
+// logits' cotangent, in shared memory), added with fp32 atomics: dalpha_i += sum_j w_ij delta_j
+// and ddelta_j += sum_i w_ij alpha_i, w_ij = dS_ij sigmoid(-alpha_i delta_j) (alpha and delta
+// of the block staged in shared memory). Each w once: a lane a key, a warp 32 keys over a slice
+// of the rows, the rows' sums over the warp by shuffles 8 rows at a time.
 template <int BN, int BM, int NT, typename DsAt>
 __device__ __forceinline__ void add_gate_grads(const GateView& gate, float* dalpha, float* ddelta,
                                                const float* block_alpha,
                                                const float* block_delta, int n0, int m0,
                                                int kv_len, int q_len, DsAt ds, int tid) {
-  static_assert(NT % BN == 0 && NT % BM == 0, "whole slices of keys and rows");
-  constexpr int kKeySlices = NT / BN, kRowSlices = NT / BM;
-  {
-    const int j = tid % BN, slice = tid / BN;
-    if (n0 + j < kv_len) {
-      const float d = block_delta[j];
-      float sum = 0.f;
-      for (int i = slice; i < BM && m0 + i < q_len; i += kKeySlices) {
-        const float a = block_alpha[i];
-        sum += ds(j, i) * log_sigmoid_grad(a * d) * a;
-      }
-      if (sum != 0.f) atomicAdd(ddelta + gate.key_index(n0 + j), sum);
-    }
-  }
-  {
-    const int i = tid % BM, slice = tid / BM;
-    if (m0 + i < q_len) {
+  constexpr int kKeyGroups = BN / 32, kSlices = NT / BN, kRows = BM / kSlices;
+  static_assert(BN % 32 == 0 && NT % BN == 0 && BM % kSlices == 0 && kRows % 8 == 0,
+                "whole warps of keys over slices of 8-row chunks");
+  const int lane = tid & 31, warp = tid >> 5;
+  const int j = warp % kKeyGroups * 32 + lane;
+  const int first_row = warp / kKeyGroups * kRows;
+  const bool key_in = n0 + j < kv_len;
+  const float d = block_delta[j];
+  float key_sum = 0.f;
+#pragma unroll 1
+  for (int chunk = first_row; chunk < first_row + kRows; chunk += 8) {
+    float row_sums[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int i = chunk + r;
       const float a = block_alpha[i];
-      float sum = 0.f;
-      for (int j = slice; j < BN && n0 + j < kv_len; j += kRowSlices) {
-        const float d = block_delta[j];
-        sum += ds(j, i) * log_sigmoid_grad(a * d) * d;
-      }
-      if (sum != 0.f) atomicAdd(dalpha + gate.row_index(m0 + i), sum);
+      const float w = key_in && m0 + i < q_len ? ds(j, i) * log_sigmoid_grad(a * d) : 0.f;
+      key_sum += w * a;
+      row_sums[r] = w * d;
+    }
+    const float row_sum = warp_sum_of_8(row_sums);
+    const int i = chunk + (lane >> 2);
+    if ((lane & 3) == 0 && m0 + i < q_len && row_sum != 0.f) {
+      atomicAdd(dalpha + gate.row_index(m0 + i), row_sum);
     }
   }
+  if (key_in && key_sum != 0.f) atomicAdd(ddelta + gate.key_index(n0 + j), key_sum);
 }
 
 }  // namespace dmattn::cuda::detail

@@ -94,6 +94,16 @@ struct HeadWindows {
   HeadWindow head[kMaxWindowHeads];
 };
 
+// The bounds of the gate threshold (gate.cu's pass, with a threshold only): [min, max] of alpha
+// over each grid block of kGateBlockQ rows of each (batch entry, query head) and of delta over
+// each kGateBlockK keys of each (batch entry, kv head), both NaN where a value is; the walks test
+// a grid block on them (gate.cuh: GateFilter) instead of on the block's 256 values.
+struct GateBounds {
+  const float2* rows = nullptr;  // [batch, H, row_blocks]
+  const float2* keys = nullptr;  // [batch, Hk, key_blocks]
+  int row_blocks = 0, key_blocks = 0;
+};
+
 struct FwdParams {
   AttentionShape s;
   const void* q;
@@ -149,6 +159,7 @@ struct FwdParams {
   // The gate (gate.cuh), or null: alpha [*batch, Lq, H], delta [*batch, Lk, Hk], fp32.
   const float* alpha;
   const float* delta;
+  GateBounds gate_bounds;
 };
 
 // dbias handling in the backward.
@@ -231,6 +242,7 @@ struct BwdParams {
   const float* delta;
   float* dalpha;
   float* ddelta;
+  GateBounds gate_bounds;
 };
 
 }  // namespace dmattn::cuda

@@ -152,9 +152,9 @@ int64_t SegmentSpanBytes(const AttentionShape& s) {
          256;
 }
 
-// With index masks: takes their summaries ([segment spans][forms' summaries]) from the front of
-// `*workspace` (`*bytes` long), points the params at the masks and the summaries, and runs
-// their passes on `stream`. Without: none.
+// With index masks or a gate threshold: takes their summaries ([segment spans][forms'
+// summaries][gate bounds]) from the front of `*workspace` (`*bytes` long), points the params at
+// the masks and the summaries, and runs their passes on `stream`. Without: none.
 template <typename Args, typename Params>
 cudaError_t TakeIndexMasks(const AttentionShape& s, const Args& args, uint8_t** workspace,
                            int64_t* bytes, Params* p, cudaStream_t stream) {
@@ -162,11 +162,13 @@ cudaError_t TakeIndexMasks(const AttentionShape& s, const Args& args, uint8_t** 
   p->kv_segments = nullptr;
   p->segment_spans = SegmentSpanLayout{};
   p->forms = MaskForms{};
+  p->gate_bounds = GateBounds{};
   const int64_t need = IndexMaskBytes(s);
   if (need == 0) return cudaSuccess;
   if (*bytes < need) return cudaErrorInvalidValue;
   uint8_t* spans_at = *workspace;
   uint8_t* forms_at = spans_at + SegmentSpanBytes(s);
+  uint8_t* bounds_at = forms_at + MaskFormsBytes(s);
   *workspace += need;
   *bytes -= need;
   if (s.has_segments) {
@@ -182,8 +184,13 @@ cudaError_t TakeIndexMasks(const AttentionShape& s, const Args& args, uint8_t** 
       return e;
     }
   }
-  return BuildMaskForms(s, args.key_start, args.key_end, args.row_start, args.row_end,
-                        args.block_indices, forms_at, &p->forms, stream);
+  if (cudaError_t e = BuildMaskForms(s, args.key_start, args.key_end, args.row_start,
+                                     args.row_end, args.block_indices, forms_at, &p->forms,
+                                     stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  return BuildGateBounds(s, args.alpha, args.delta, bounds_at, &p->gate_bounds, stream);
 }
 
 int64_t DbiasWorkspaceBytes(const AttentionShape& s) {
@@ -361,7 +368,7 @@ bool SupportsHeadWindows(const AttentionShape& s) {
 }
 
 int64_t IndexMaskBytes(const AttentionShape& s) {
-  return SegmentSpanBytes(s) + MaskFormsBytes(s);
+  return SegmentSpanBytes(s) + MaskFormsBytes(s) + GateBoundsBytes(s);
 }
 
 // The forward's workspace: [index masks' summaries][tile counter][query-block order][split

@@ -124,6 +124,13 @@ cudaError_t BuildMaskForms(const AttentionShape& shape, const int32_t* key_start
                            const int32_t* block_indices, uint8_t* workspace, MaskForms* forms,
                            cudaStream_t stream);
 
+// The bounds pass of the gate threshold (gate.cu): GateBoundsBytes(shape) bytes of bounds at
+// `workspace` and `bounds` pointing at them (a call without a gate threshold: none, nothing
+// launched).
+int64_t GateBoundsBytes(const AttentionShape& shape);
+cudaError_t BuildGateBounds(const AttentionShape& shape, const float* alpha, const float* delta,
+                            uint8_t* workspace, GateBounds* bounds, cudaStream_t stream);
+
 template <int D, typename T>
 cudaError_t RunForward(const FwdParams& params, cudaStream_t stream);
 

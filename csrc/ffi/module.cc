@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -114,14 +115,19 @@ using OptionalDims = std::optional<std::vector<int64_t>>;
 // The index-mask operands of a call, by the dims the kernels see (nullopt: absent): segment ids
 // (int32 [*batch|1, Lq] and [*batch|1, Lk]), key ranges (key_start's dims, [*batch|1, H|Hk|1, 1,
 // Lk]; key_end has the same), row ranges (row_start's, [*batch|1, H|Hk|1, Lq, 1]) and block
-// indices ([*batch|1, H|Hk|1, ceil(Lq / block_q), K]) with their block sizes.
+// indices ([*batch|1, H|Hk|1, ceil(Lq / block_q), K]) with their block sizes; and the gate
+// (alpha [*batch, Lq, H], delta [*batch, Lk, Hk]) with its threshold's cut (the kernels'
+// workspace holds the threshold's bounds beside the index masks' summaries).
 struct IndexMaskDims {
   OptionalDims q_segments, kv_segments, key_ranges, row_ranges, block_indices;
   int64_t block_q = 0, block_k = 0;
+  OptionalDims alpha, delta;
+  double gate_cut = -INFINITY;
 };
 
-// Appends the index-mask operands of a shape-only call in decode.h's order (after the lengths)
-// and sets their flags and block sizes in `attrs`, so that the decoded shape carries them.
+// Appends the index-mask and gate operands of a shape-only call in decode.h's order (after the
+// lengths) and sets their flags, block sizes and cut in `attrs`, so that the decoded shape
+// carries them.
 void AddIndexMasks(ShapeOnlyBuffers& b, dmattn::Buffers& args, const IndexMaskDims& m,
                    dmattn::AttentionAttrs* attrs) {
   if (m.q_segments.has_value() != m.kv_segments.has_value()) {
@@ -147,6 +153,15 @@ void AddIndexMasks(ShapeOnlyBuffers& b, dmattn::Buffers& args, const IndexMaskDi
     attrs->block_q = m.block_q;
     attrs->block_k = m.block_k;
   }
+  if (m.alpha.has_value() != m.delta.has_value()) {
+    throw std::invalid_argument("alpha and delta go together");
+  }
+  attrs->has_gate = m.alpha.has_value();
+  if (attrs->has_gate) {
+    args.push_back(b.Add(*m.alpha, XLA_FFI_DataType_F32));
+    args.push_back(b.Add(*m.delta, XLA_FFI_DataType_F32));
+    attrs->gate_cut = m.gate_cut;
+  }
 }
 
 // The attributes of a shape-only call: no window, no softcap; optional operands absent until
@@ -167,9 +182,10 @@ int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> 
                                    std::vector<int64_t> dbias, OptionalDims q_segments,
                                    OptionalDims kv_segments, OptionalDims key_ranges,
                                    OptionalDims row_ranges, OptionalDims block_indices,
-                                   int64_t block_q, int64_t block_k, bool deterministic) {
-  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
-                                  block_indices, block_q, block_k};
+                                   int64_t block_q, int64_t block_k, OptionalDims alpha,
+                                   OptionalDims delta, double gate_cut, bool deterministic) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges, block_indices,
+                                  block_q,    block_k,     alpha,      delta,      gate_cut};
   ShapeOnlyBuffers b;
   dmattn::AttentionAttrs attrs = ShapeOnlyAttrs();
   attrs.has_bias = !bias.empty();
@@ -183,6 +199,10 @@ int64_t CudaBackwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> 
     rets.push_back(b.Add(dbias, XLA_FFI_DataType_BF16));
   }
   AddIndexMasks(b, args, index_masks, &attrs);
+  if (attrs.has_gate) {  // dalpha, ddelta
+    rets.push_back(b.Add(*alpha, XLA_FFI_DataType_F32));
+    rets.push_back(b.Add(*delta, XLA_FFI_DataType_F32));
+  }
   rets.push_back(lseb);
   dmattn::AttentionShape shape;
   dmattn::BackwardArgs ptrs;
@@ -219,9 +239,10 @@ int64_t CudaForwardSplits(std::vector<int64_t> q, std::vector<int64_t> k) {
 int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k,
                                   OptionalDims q_segments, OptionalDims kv_segments,
                                   OptionalDims key_ranges, OptionalDims row_ranges,
-                                  OptionalDims block_indices, int64_t block_q, int64_t block_k) {
-  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
-                                  block_indices, block_q, block_k};
+                                  OptionalDims block_indices, int64_t block_q, int64_t block_k,
+                                  OptionalDims alpha, OptionalDims delta, double gate_cut) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges, block_indices,
+                                  block_q,    block_k,     alpha,      delta,      gate_cut};
   return dmattn::cuda::ForwardWorkspaceBytes(ForwardShape(q, k, {}, {}, index_masks));
 }
 
@@ -229,9 +250,10 @@ int64_t CudaForwardWorkspaceBytes(std::vector<int64_t> q, std::vector<int64_t> k
 std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, OptionalDims mask,
                               OptionalDims bias, OptionalDims q_segments, OptionalDims kv_segments,
                               OptionalDims key_ranges, OptionalDims row_ranges,
-                              OptionalDims block_indices, int64_t block_q, int64_t block_k) {
-  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges,
-                                  block_indices, block_q, block_k};
+                              OptionalDims block_indices, int64_t block_q, int64_t block_k,
+                              OptionalDims alpha, OptionalDims delta, double gate_cut) {
+  const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges, block_indices,
+                                  block_q,    block_k,     alpha,      delta,      gate_cut};
   return dmattn::cuda::ForwardKernelName(ForwardShape(q, k, mask, bias, index_masks));
 }
 
@@ -272,21 +294,24 @@ NB_MODULE(_dmattn, m) {
         "bias"_a, "dbias"_a, "q_segments"_a.none() = nb::none(),
         "kv_segments"_a.none() = nb::none(), "key_ranges"_a.none() = nb::none(),
         "row_ranges"_a.none() = nb::none(), "block_indices"_a.none() = nb::none(),
-        "block_q"_a = 0, "block_k"_a = 0, "deterministic"_a = false,
-        "Bytes of the CUDA backward's workspace 1 (index-mask summaries, key-block order, dbias "
-        "accumulator, deterministic dQ turn flags).");
+        "block_q"_a = 0, "block_k"_a = 0, "alpha"_a.none() = nb::none(),
+        "delta"_a.none() = nb::none(), "gate_cut"_a = -INFINITY, "deterministic"_a = false,
+        "Bytes of the CUDA backward's workspace 1 (index-mask summaries and gate bounds, "
+        "key-block order, dbias accumulator, deterministic dQ turn flags).");
   m.def("cuda_forward_splits", &CudaForwardSplits, "q"_a, "k"_a,
         "Key splits of the CUDA forward (1: none) on the current device.");
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, "q"_a, "k"_a,
         "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
         "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
         "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
-        "Bytes of the CUDA forward's workspace (index-mask summaries, query-block order, split-KV "
-        "partials).");
+        "alpha"_a.none() = nb::none(), "delta"_a.none() = nb::none(), "gate_cut"_a = -INFINITY,
+        "Bytes of the CUDA forward's workspace (index-mask summaries and gate bounds, query-block "
+        "order, split-KV partials).");
   m.def("cuda_forward_kernel", &CudaForwardKernel, "q"_a, "k"_a, "mask"_a.none(),
         "bias"_a.none(), "q_segments"_a.none() = nb::none(), "kv_segments"_a.none() = nb::none(),
         "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
         "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
+        "alpha"_a.none() = nb::none(), "delta"_a.none() = nb::none(), "gate_cut"_a = -INFINITY,
         "The CUDA forward kernel for these shapes on the current device: 'decode', 'hopper', "
         "'flash2' or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams
+from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams, gate_cut
 
 FORWARD_TARGET = "dmattn_fwd"
 BACKWARD_TARGET = "dmattn_bwd"
@@ -305,22 +305,25 @@ def call_sum_listed_keys(grad, slots, spans):
 
 def _index_mask_shapes(params: AttentionParams, opts, extra_shapes: Sequence[tuple[int, ...]]
                        ) -> dict[str, Any]:
-    """The extension's workspace-size keywords for the index masks of a CUDA call: the merged
-    shapes of ``q_segments``, ``kv_segments``, ``key_ranges`` (key_start's ``[*B, H|Hk|1, 1,
-    Lk]``), ``row_ranges`` (row_start's ``[*B, H|Hk|1, Lq, 1]``) and ``block_indices``
-    (``[*B, H|Hk|1, nQB, K]``, with ``block_q`` and ``block_k``), None where absent.
+    """The extension's workspace-size keywords for the index masks and the gate of a CUDA call:
+    the merged shapes of ``q_segments``, ``kv_segments``, ``key_ranges`` (key_start's ``[*B,
+    H|Hk|1, 1, Lk]``), ``row_ranges`` (row_start's ``[*B, H|Hk|1, Lq, 1]``), ``block_indices``
+    (``[*B, H|Hk|1, nQB, K]``, with ``block_q`` and ``block_k``), ``alpha`` and ``delta`` (with
+    ``gate_cut``: a threshold's bounds take workspace), None where absent.
 
     ``extra_shapes``: the shapes of the call's optional operands (after q, k, v, and for the
     backward out, dout, lse, dlse), the mask's map and bits last where it has a mask."""
     extra_shapes = list(extra_shapes)
     if opts.has_mask:
         del extra_shapes[-2:]  # the mask map and bits (_with_mask_map) follow every operand
-    (_, _, _, _, q_segments, kv_segments, key_start, _, row_start, _, block_indices, _,
-     _) = opts.split(extra_shapes)
+    (_, _, _, _, q_segments, kv_segments, key_start, _, row_start, _, block_indices, alpha,
+     delta) = opts.split(extra_shapes)
     shapes = dict(q_segments=q_segments, kv_segments=kv_segments, key_ranges=key_start,
-                  row_ranges=row_start, block_indices=block_indices)
+                  row_ranges=row_start, block_indices=block_indices, alpha=alpha, delta=delta)
     if block_indices is not None:
         shapes.update(block_q=params.block_q, block_k=params.block_k)
+    if alpha is not None:
+        shapes.update(gate_cut=gate_cut(params.gate_threshold))
     return shapes
 
 
@@ -347,7 +350,9 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
                         key_ranges: tuple[int, ...] | None = None,
                         row_ranges: tuple[int, ...] | None = None,
                         block_indices: tuple[int, ...] | None = None,
-                        block_q: int = 0, block_k: int = 0) -> str:
+                        block_q: int = 0, block_k: int = 0,
+                        gate: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                        gate_threshold: float | None = None) -> str:
     """The CUDA forward kernel that a call with these shapes (q ``[B, Lq, H, D]``, k ``[B, Lk, Hk,
     D]``, mask and bias ``[B|1, H|Hk|1, Lq|1, Lk|1]`` or None) runs on the current device:
     ``"decode"`` (at most 16 query rows: the query heads of a kv head share one tile),
@@ -357,14 +362,18 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     The index masks by their shapes as the kernels see them: segment ids ``[B|1, Lq]`` and
     ``[B|1, Lk]``, key ranges ``[B|1, H|Hk|1, 1, Lk]``, row ranges ``[B|1, H|Hk|1, Lq, 1]``, block
     indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
-    mask forms run the FlashAttention-2-class forward)."""
+    mask forms run the FlashAttention-2-class forward); the gate by the shapes of alpha ``[B, Lq,
+    H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls run the
+    FlashAttention-2-class forward)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
+    alpha, delta = gate if gate is not None else (None, None)
     return str(_extension().cuda_forward_kernel(
         tuple(q_shape), tuple(k_shape), dims(mask_shape), dims(bias_shape),
         q_segments=dims(q_segments), kv_segments=dims(kv_segments), key_ranges=dims(key_ranges),
         row_ranges=dims(row_ranges), block_indices=dims(block_indices), block_q=block_q,
-        block_k=block_k))
+        block_k=block_k, alpha=dims(alpha), delta=dims(delta),
+        gate_cut=gate_cut(gate_threshold)))
 
 
 def cuda_set_forward_kernel(name: str) -> None:
