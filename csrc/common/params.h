@@ -204,6 +204,8 @@ struct AttentionShape {
     return key_ranges.present || row_ranges.present || block_indices.present;
   }
   DMATTN_HD int64_t heads_per_kv_head() const { return num_heads / num_kv_heads; }
+  // A gate threshold: some grid blocks may be dropped.
+  DMATTN_HD bool has_gate_threshold() const { return has_gate && gate_cut > -INFINITY; }
 
   // Element offsets of row 0 / head h of each operand family for flat batch index b.
   DMATTN_HD int64_t q_offset(int64_t b, int64_t h) const {
@@ -248,6 +250,17 @@ struct AttentionShape {
     return end < kv_len ? (end < 0 ? 0 : end) : kv_len;
   }
 };
+
+// The gate threshold's rule for one grid block whose alpha lies in [a_lo, a_hi] and delta in
+// [d_lo, d_hi]: kept unless every corner product (the largest alpha_i * delta_j over the block
+// is one of them) lies below `cut`; in double, exact for float32 values. A NaN corner (a NaN
+// bound, 0 * inf) keeps it: the rule drops a block only when every pair is below the cut.
+DMATTN_HD bool GateBlockKept(double a_lo, double a_hi, double d_lo, double d_hi, double cut) {
+  const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
+  bool kept = false;
+  for (int k = 0; k < 4; ++k) kept |= !(corners[k] < cut);
+  return kept;
+}
 
 // Pointers of a forward call. Optional operands are null when absent.
 struct ForwardArgs {

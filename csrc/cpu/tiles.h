@@ -324,25 +324,18 @@ inline void MinMax(const float* x, int64_t n, int64_t stride, double* lo, double
   *hi = nan ? NAN : b;
 }
 
-// Whether the gate threshold keeps the grid block of the tile (common/params.h: gate_cut): the
-// largest alpha_i * delta_j over the block's rows and keys (every row and key below Lq and Lk,
-// whatever the lengths) is a corner product of their min and max; in double, exact for float32
-// values. A NaN there (or a NaN corner product, 0 · inf) keeps the block: its pairs with the NaN
-// are not below the cut, and the rule drops a block only when every pair is. Always true without
-// a threshold.
+// Whether the gate threshold keeps the grid block of the tile (common/params.h: GateBlockKept
+// on the min and max of alpha and delta over the block's rows and keys, every row and key below
+// Lq and Lk whatever the lengths). Always true without a threshold.
 inline bool TileGateKept(const AttentionShape& shape, const HeadItem& item, const Tile& t) {
-  if (item.alpha == nullptr || !(shape.gate_cut > -INFINITY)) return true;
+  if (item.alpha == nullptr || !shape.has_gate_threshold()) return true;
   const int64_t i0 = t.i0 / kGateBlockQ * kGateBlockQ, j0 = t.j0 / kGateBlockK * kGateBlockK;
   double a_lo, a_hi, d_lo, d_hi;
   MinMax(item.alpha + i0 * shape.num_heads, std::min(kGateBlockQ, shape.seqlen_q - i0),
          shape.num_heads, &a_lo, &a_hi);
   MinMax(item.delta + j0 * shape.num_kv_heads, std::min(kGateBlockK, shape.seqlen_k - j0),
          shape.num_kv_heads, &d_lo, &d_hi);
-  // Kept unless every corner is below the cut (a NaN corner, e.g. 0 · inf, is not).
-  const double corners[4] = {a_lo * d_lo, a_lo * d_hi, a_hi * d_lo, a_hi * d_hi};
-  for (const double corner : corners)
-    if (!(corner < shape.gate_cut)) return true;
-  return false;
+  return GateBlockKept(a_lo, a_hi, d_lo, d_hi, shape.gate_cut);
 }
 
 // Whether the forward's softmax threshold dropped the grid block of the tile (backward only).

@@ -66,7 +66,7 @@ int64_t RowBoundBytes(const AttentionShape& s) {
 }  // namespace
 
 int64_t GateBoundsBytes(const AttentionShape& s) {
-  if (!s.has_gate || !(s.gate_cut > -INFINITY)) return 0;
+  if (!s.has_gate_threshold()) return 0;
   const int64_t keys = s.batch_count() * s.num_kv_heads * GateBoundsLayout(s).key_blocks *
                        static_cast<int64_t>(sizeof(float2));
   return (RowBoundBytes(s) + keys + 255) / 256 * 256;

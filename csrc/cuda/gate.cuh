@@ -29,18 +29,6 @@ __device__ __forceinline__ float log_sigmoid_grad(float x) {
   return (x >= 0.f ? e : 1.f) / (1.f + e);
 }
 
-// Whether the threshold keeps a grid block whose alpha lies in a = [min, max] and delta in d:
-// unless every corner product lies below the cut (in double, exact for float32 values; a NaN
-// bound keeps it, as on the CPU).
-__device__ __forceinline__ bool gate_keeps(float2 a, float2 d, double cut) {
-  const double corners[4] = {static_cast<double>(a.x) * d.x, static_cast<double>(a.x) * d.y,
-                             static_cast<double>(a.y) * d.x, static_cast<double>(a.y) * d.y};
-  bool keep = false;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) keep |= !(corners[k] < cut);
-  return keep;
-}
-
 // n <= N floats `stride` apart at src into dst by cp.async (zeros past n).
 template <int N, int NT>
 __device__ __forceinline__ void load_strided_async(float* dst, const float* src, int stride, int n,
@@ -139,9 +127,11 @@ struct GateFilter {
       first = block;
       const int lane = static_cast<int>(threadIdx.x & 31);
       const int mine = kByKey ? block - lane : block + lane;
-      const bool keep = mine < 0 || mine >= blocks ||
-                        (kByKey ? gate_keeps(fixed, walked[mine], cut)
-                                : gate_keeps(walked[mine], fixed, cut));
+      bool keep = true;  // blocks past either end: never asked about
+      if (mine >= 0 && mine < blocks) {
+        const float2 w = walked[mine], a = kByKey ? fixed : w, d = kByKey ? w : fixed;
+        keep = GateBlockKept(a.x, a.y, d.x, d.y, cut);
+      }
       kept = __ballot_sync(0xffffffffu, keep);
       loaded = true;
       return kept & 1u;

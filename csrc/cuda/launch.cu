@@ -610,7 +610,7 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
       // The fill pass knows the tiles that the band and the mask skip, not those the index
       // masks or the gate threshold drop.
       p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms() &&
-                     !(shape.has_gate && shape.gate_cut > -INFINITY);
+                     !shape.has_gate_threshold();
       p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }
