@@ -169,6 +169,10 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
                                 : nullptr;
   }
 
+  // Every row of the call in this CTA is within the query length (the tile's rows past the
+  // call's are never stored).
+  const bool rows_live = i_last < L.q_len;
+
   // ---- prologue: Q, then the first S - 1 visible tiles ---------------------------------------
   {
     constexpr int kChunksPerRow = D / 8;
@@ -232,12 +236,15 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   // rows allow: bias_vec), loaded a tile ahead of their use so that their latency hides behind a
   // tile's work (harness, B8 Lq16 Lk32k H32/Hk8, a per-key bias over none: +27 % loaded where
   // used, +22 % a tile ahead).
+  // Both of a thread's rows read one bias row where the bias is broadcast over queries and 8
+  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding.
+  const bool one_bias_row = row[0].bias == row[1].bias;
   auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
     for_each_index<2, NTS, 1>([&](int half, int t, int) {
       const int j = n * BN + kg * KW + t * 8 + 2 * tq;
       const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
       pairs[half][t] = 0;
-      if (bias == nullptr || j >= L.kv_len) return;
+      if (bias == nullptr || j >= L.kv_len || (half == 1 && one_bias_row)) return;
       if (p.bias_vec) {
         pairs[half][t] = __ldg(reinterpret_cast<const uint32_t*>(bias + j));
       } else {
@@ -289,7 +296,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
     // S = bias / scale + Q K^T
     float sc[NTS][4];
     for_each_index<2, NTS, 1>([&](int half, int t, int) {
-      const float2 x = E::unpack(bias_pairs[half][t]);  // zeros without a bias
+      // (zeros without a bias)
+      const float2 x = E::unpack(one_bias_row ? bias_pairs[0][t] : bias_pairs[half][t]);
       sc[t][2 * half] = x.x * p.bias_mul;
       sc[t][2 * half + 1] = x.y * p.bias_mul;
     });
@@ -312,27 +320,34 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
         sc[t][e] = p.softcap * accurate_tanh(sc[t][e] * p.softcap_in);
       });
     }
-    for_each_pair<1, NTS>([&](int, int t, int half) {
-      const DecodeRow& w = row[half];
-      const int j = j0 + t * 8 + 2 * tq;
-      uint32_t keep = 0x0101u;  // a byte per key
-      if (mask_test && w.live && j < L.kv_len) {
-        if (p.mask_vec) {
-          keep = __ldg(reinterpret_cast<const uint16_t*>(w.mask + j));
-        } else {
-          keep = w.mask[j * s.mask.col_stride];
-          if (j + 1 < L.kv_len) {
-            keep |= static_cast<uint32_t>(w.mask[(j + 1) * s.mask.col_stride]) << 8;
+    // Tiles that the key length and the band cover for every row need no element test (in
+    // decoding, all but the last).
+    const int j_last = n * BN + BN - 1;
+    const bool covered = rows_live && !mask_test && j_last < L.kv_len &&
+                         n * BN - i_last >= rule.band.dmin && j_last - i_first <= rule.band.dmax;
+    if (!covered) {
+      for_each_pair<1, NTS>([&](int, int t, int half) {
+        const DecodeRow& w = row[half];
+        const int j = j0 + t * 8 + 2 * tq;
+        uint32_t keep = 0x0101u;  // a byte per key
+        if (mask_test && w.live && j < L.kv_len) {
+          if (p.mask_vec) {
+            keep = __ldg(reinterpret_cast<const uint16_t*>(w.mask + j));
+          } else {
+            keep = w.mask[j * s.mask.col_stride];
+            if (j + 1 < L.kv_len) {
+              keep |= static_cast<uint32_t>(w.mask[(j + 1) * s.mask.col_stride]) << 8;
+            }
           }
         }
-      }
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool in = w.live && j + e < L.kv_len && rule.sees(w.i, j + e) &&
-                        ((keep >> (8 * e)) & 0xffu) != 0;
-        if (!in) sc[t][2 * half + e] = -INFINITY;
-      }
-    });
+        for (int e = 0; e < 2; ++e) {
+          const bool in = w.live && j + e < L.kv_len && rule.sees(w.i, j + e) &&
+                          ((keep >> (8 * e)) & 0xffu) != 0;
+          if (!in) sc[t][2 * half + e] = -INFINITY;
+        }
+      });
+    }
 
     online_softmax<1, NTS, NTO>(reinterpret_cast<float(&)[1][NTS][4]>(sc), row_m, row_l,
                                 reinterpret_cast<float(&)[1][NTO][4]>(o), p.softmax_mul);
