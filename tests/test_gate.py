@@ -585,6 +585,9 @@ CUDA_CASES = [
     ("flash", 1, 257, 300, 8, 2, 128, True, "keys", "keys", None, jnp.bfloat16),
     ("flash", 2, 96, 190, 4, 1, 64, False, "dense", "keys", 8.0, jnp.bfloat16),
     ("dpa", 2, 140, 170, 4, 2, 128, True, "dense", None, None, jnp.bfloat16),
+    # without a mask or bias: the Hopper forward where it runs
+    ("flash", 1, 257, 300, 8, 2, 128, True, None, None, None, jnp.bfloat16),
+    ("flash", 2, 130, 333, 4, 4, 64, False, None, None, 5.0, jnp.bfloat16),
 ]
 
 
@@ -624,15 +627,22 @@ def test_cuda_threshold_matches_reference_block_rule(case, deterministic):
 
 
 @pytest.mark.gpu
-def test_cuda_gated_calls_take_flash2_forward_and_threshold_bounds_workspace():
-    """Gated calls run the FlashAttention-2-class forward; a threshold's bounds (float2 [min,
-    max] of alpha and of delta over each 128-row and 128-key grid block) join the workspaces
-    sized at trace time: without them the backward of a small call ran out of workspace and
-    failed with "invalid argument"."""
+def test_cuda_gated_calls_dispatch_and_threshold_bounds_workspace():
+    """Gated calls run the Hopper forward on a Hopper GPU of an sm_90a build unless a mask or
+    bias comes with the gate (then, and elsewhere, the FlashAttention-2-class forward); a
+    threshold's bounds (float2 [min, max] of alpha and of delta over each 128-row and 128-key
+    grid block) join the workspaces sized at trace time: without them the backward of a small
+    call ran out of workspace and failed with "invalid argument"."""
     require_cuda_kernel(128, jnp.bfloat16)
     q, k, dk = (2, 1000, 16, 128), (2, 900, 4, 128), (2, 900, 4, 128)
     alpha, delta = (2, 1000, 16), (2, 900, 4)
-    assert _ffi.cuda_forward_kernel(q, k, gate=(alpha, delta)) in ("flash2", "flash2_split")
+    hopper = ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
+              and "90a" in _ffi.build_info()["cuda_archs"])
+    for threshold in (None, -1.0):
+        assert _ffi.cuda_forward_kernel(q, k, gate=(alpha, delta), gate_threshold=threshold) == (
+            "hopper" if hopper else "flash2")
+    assert _ffi.cuda_forward_kernel(q, k, bias_shape=(2, 16, 1000, 900),
+                                    gate=(alpha, delta)) == "flash2"
     ext = _ffi._extension()
     bounds = -(-(2 * 16 * 8 + 2 * 4 * 8) * 8 // 256) * 256  # float2 a grid block, 256-aligned
     fwd = [ext.cuda_forward_workspace_bytes(q, k, alpha=alpha, delta=delta, gate_cut=cut)

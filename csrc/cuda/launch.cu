@@ -276,7 +276,9 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() && !s.has_gate;
+         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
+         (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
+                          !s.has_segments && s.head_windows == nullptr));
 }
 
 bool DecodeTakes(const AttentionShape& s) {

@@ -59,9 +59,9 @@ nb::dict BuildInfo() {
   info["row_ranges"] = true;  // and row ranges
   info["block_indices"] = true;  // and block indices
   info["window_sizes"] = true;  // and per-kv-head windows with sinks
-  // and the gate of gated attention, with its threshold (the CUDA kernels do not)
+  // and the gate of gated attention, with its threshold
   info["gate"] = true;
-  info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (likewise)
+  info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (the CUDA kernels do not)
   info["min_page_size"] = dmattn::kMinPageSize;  // a paged cache's pages: powers of two
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;

@@ -363,8 +363,8 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     ``[B|1, Lk]``, key ranges ``[B|1, H|Hk|1, 1, Lk]``, row ranges ``[B|1, H|Hk|1, Lq, 1]``, block
     indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
     mask forms run the FlashAttention-2-class forward); the gate by the shapes of alpha ``[B, Lq,
-    H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls run the
-    FlashAttention-2-class forward)."""
+    H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at D = 256 or with a mask,
+    bias, segment ids or window table run the FlashAttention-2-class forward)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
     alpha, delta = gate if gate is not None else (None, None)

@@ -1505,6 +1505,12 @@ std::vector<Case> AllCases() {
     c = Case(); c.name = "gate_cut_det_q300_k400_d128_causal_dlse"; c.H = 4; c.Hk = 1;
     c.Lq = 300; c.Lk = 400; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
     c.deterministic = true; c.dlse = true; add(c);
+    // without a mask or bias: the Hopper forward's gated kernels where they run
+    c = Case(); c.name = "gate_q257_k300_d128_gqa_causal_seqlens"; c.batch = {2}; c.H = 8;
+    c.Hk = 2; c.Lq = 257; c.Lk = 300; c.D = 128; c.causal = true; c.gate = true;
+    c.seqlens = true; c.q_lens = {257, 100}; c.kv_lens = {300, 180}; add(c);
+    c = Case(); c.name = "gate_cut_q400_k700_d64_softcap"; c.H = 4; c.Hk = 4; c.Lq = 400;
+    c.Lk = 700; c.D = 64; c.gate = true; c.gate_cut = -1.5; c.softcap = 20.f; add(c);
   }
   {
     // the decode forward (Lq <= 16): the query heads of a kv head packed into one tile; 16 rows
@@ -1600,6 +1606,9 @@ std::vector<Case> QuickCases() {
     Case c; c.name = "quick_gate_cut_q200_k300_d128_causal_bias"; c.H = 2; c.Hk = 1; c.Lq = 200;
     c.Lk = 300; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
     c.bias = Op({1}, 2, true, true); v.push_back(c);
+    // no mask or bias: the Hopper forward's gated kernel
+    c = Case(); c.name = "quick_gate_cut_q17_k129_d128_causal"; c.H = 2; c.Hk = 1; c.Lq = 17;
+    c.Lk = 129; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5; v.push_back(c);
   }
   {
     Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;
@@ -1984,9 +1993,10 @@ void Bench(bool variants, const std::string& only) {
     benches.push_back({"mask[1,1,L,L] 10% 128-blocks d128 L16k H2 Hk1 (dense flops)", c, 0});
   }
   {
-    // issue 27: gated attention (the FlashAttention-2-class kernels), exact and with a cut that
-    // drops three of every four grid key blocks, against the same kernels without the gate
-    // (key ranges hiding nothing: the kFormsAndIds kernels that gated calls run)
+    // issue 27: gated attention, exact and with a cut that drops three of every four grid key
+    // blocks (the Hopper forward where it runs, the FlashAttention-2-class backward), against
+    // the FlashAttention-2-class kernels without the gate (key ranges hiding nothing: the
+    // kFormsAndIds kernels that gated calls with mask forms run)
     Case c = mk("b12", 1, 16, 16, 16384, 128, true, false, false);
     c.key_ranges = Form({1}, 1);
     c.key_ranges_all = true;

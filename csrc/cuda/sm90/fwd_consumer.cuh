@@ -145,6 +145,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   uint32_t pf[Tr::BN / 16][4];
   float corr[2];
 
+  const GateRows gate = gate_rows<Tr>(P, w, th);
   mbar_wait(bar.q_full(), q_parity);
   int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
   if constexpr (kWarpgroupKeys<Tr>) {
@@ -175,7 +176,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   detail::wgmma_wait<0>();
   detail::fence_operands(s);
   th.release(bar.k_empty(ring.slot));
-  finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
+  finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags, ring, gate);
   online_softmax<false, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul);
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
@@ -192,7 +193,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     detail::wgmma_wait<1>();  // S(n)
     detail::fence_operands(s);
     th.release(bar.k_empty(ring.slot));
-    finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags);
+    finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags, ring, gate);
     // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
     // settle, most blocks skip the rescale. The others hide it under the GEMMs, and its test
     // costs them 1-2 % (H200).

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int slot = 0; slot < Tr::kStages; ++slot) {
       mbar_init(bar.k_full(slot), 1);
       mbar_init(bar.k_empty(slot), Tr::kReleaseArrivals);
-      mbar_init(bar.v_full(slot), 1);
+      mbar_init(bar.v_full(slot), Tr::kVFullArrivals);
       mbar_init(bar.v_empty(slot), Tr::kReleaseArrivals);
     }
     for (int slot = 0; slot < Tr::kTileSlots; ++slot) {

@@ -14,7 +14,9 @@ namespace dmattn::cuda::sm90 {
 // larger head dims, hides under two others' GEMMs.
 // Calls with a bias run the same tile with the bias and mask rings, calls with a mask alone with
 // the mask ring only, calls with segment ids kernels that read them (D <= 128 all), calls with a
-// window table kernels that read it (with a mask or bias, D <= 128).
+// window table kernels that read it (with a mask or bias, D <= 128), gated calls (D <= 128,
+// without a mask, bias, segment ids or window table) kernels with the gate and two consumer
+// warpgroups (128 query rows: the tiles nest in the gate threshold's grid).
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
@@ -27,6 +29,8 @@ struct FwdConfig {
   using TableTraits =
       FwdTraits<D, D <= 128 ? 128 : 64, kConsumers, false, 0, 0, false, false, true>;
   using OperandTableTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, true, true>;
+  using GateTraits =
+      FwdTraits<D, D <= 128 ? 128 : 64, 2, false, 0, 0, false, false, false, true>;
 };
 
 // Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch

@@ -72,6 +72,29 @@ __device__ __forceinline__ void load_operands(const FwdParamsSm90& P, uint8_t* s
   }
 }
 
+// The gate's delta of key block n (BN floats, zeros past the last key) into ring slot `slot`
+// by the producer warp's lanes, each arriving on the slot's v_full once its cp.async has landed
+// (kVFullArrivals). TMA cannot box one kv head's column of delta [Lk, Hk]: 4 bytes a row, under
+// its 16-byte minimum.
+template <typename Tr>
+__device__ __forceinline__ void load_delta(const FwdParams& p, uint8_t* smem, uint64_t* full,
+                                           int slot, const TileWork& w, int n) {
+  constexpr int kPerLane = Tr::BN / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int kv_heads = static_cast<int>(p.s.num_kv_heads);
+  const int keys = static_cast<int>(p.s.seqlen_k);
+  const float* delta = p.delta + p.s.delta_offset(w.b, w.hk);
+  const uint32_t dst = smem_u32(smem + Tr::kOffDelta + slot * Tr::kDeltaBytes);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int key = lane * kPerLane + i, j = n * Tr::BN + key;
+    const bool in = j < keys;
+    detail::cp_async4(dst + 4 * key, in ? delta + static_cast<int64_t>(j) * kv_heads : delta,
+                      in ? 4 : 0);
+  }
+  mbar_arrive_on_cp_async(full);
+}
+
 // A tile with work: its first block n (mask flags `flags`), the rest from `walk`.
 template <typename Tr, typename Walk>
 __device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* smem,
@@ -111,6 +134,7 @@ __device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* sm
     load_rows(Tr::kOffK + slot * Tr::kKVBytes, &P.k_tma, bar.k_full(slot), bar.k_empty(slot), n);
     if (operands_here) load_operands<Tr>(P, smem, bar, w, n, flags, operands, leader);
     load_rows(Tr::kOffV + slot * Tr::kKVBytes, &P.v_tma, bar.v_full(slot), bar.v_empty(slot), n);
+    if constexpr (Tr::kGate) load_delta<Tr>(p, smem, bar.v_full(slot), slot, w, n);
     ring.advance();
   }
 }

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "cuda/block_map.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/segments.cuh"
 #include "cuda/sm90/fwd_params.h"
@@ -113,20 +114,42 @@ using TileQueue = SmemQueue<QueuedTile, kSlots>;
 // over the gap below a window table's band (kTable); warp-wide.
 // first_block(): the first of them, keys.lo - 1 when there is none (the tile then has no
 // work). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
-// in their main loop).
+// in their main loop). Gated kernels pass over the blocks of the gate threshold's grid that it
+// drops (gate.cuh: GateFilter; every block is kept without a threshold).
+// The gate threshold's verdicts on a gated tile's key blocks (a base of KeyWalk, empty in the
+// kernels without the gate).
+struct NoGatePass {};
+struct GatePass {
+  detail::GateFilter<true> filter;
+  int lo;  // the tile's first visible block
+};
+
 template <typename Tr>
-struct KeyWalk {
+struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   using MaskFlags = detail::KeyTileFlags<Tr::BM, Tr::BN>;
   using Flags = std::conditional_t<Tr::kSegments,
                                    detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>, MaskFlags>;
+  using Gate = std::conditional_t<Tr::kGate, GatePass, NoGatePass>;
   detail::TileWalk<-1, Flags> walk;
   detail::KeyGap gap;
   __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
-      : walk(make(P, w)), gap(gap_of(P, w)) {}
+      : Gate(gate_of(P, w)), walk(make(P, w)), gap(gap_of(P, w)) {}
   __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
     return w.empty() ? w.keys.lo - 1 : next(w.keys.hi - 1, flags);
   }
   __device__ __forceinline__ int next(int n, int* flags) {
+    n = visible(n, flags);
+    if constexpr (Tr::kGate) {
+      while (n >= this->lo && !this->filter.keeps(n * Tr::BN / static_cast<int>(kGateBlockK))) {
+        n = visible(n - 1, flags);
+      }
+    }
+    return n;
+  }
+
+ private:
+  // The next block at or below n that the mask, the segment ids and the position rule leave.
+  __device__ __forceinline__ int visible(int n, int* flags) {
     constexpr bool kWalks = Tr::kOperands || Tr::kSegments;
     if constexpr (kWalks && Tr::kTable) {
       return gap.next(n, flags, [&](int t, int* f) { return walk.next(t, f); });
@@ -137,8 +160,15 @@ struct KeyWalk {
       return Tr::kTable ? gap.at_or_below(n) : n;
     }
   }
-
- private:
+  static __device__ __forceinline__ Gate gate_of(const FwdParamsSm90& P, const TileWork& w) {
+    if constexpr (Tr::kGate) {
+      return {detail::GateFilter<true>(detail::GateView(P.p, w.b, w.h),
+                                       w.m0 / static_cast<int>(kGateBlockQ)),
+              w.keys.lo};
+    } else {
+      return {};
+    }
+  }
   // The gap of a window table's sink in the tile's blocks (kTable kernels; none elsewhere).
   static __device__ __forceinline__ detail::KeyGap gap_of(const FwdParamsSm90& P,
                                                          const TileWork& w) {

@@ -256,14 +256,55 @@ __device__ __forceinline__ void hide_other_segments(float (&s)[Tr::BN / 2], cons
   }
 }
 
-// S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, softcap,
-// then -inf where the mask, the segment ids, the lengths or the diagonal window hide a key. The
-// bias and mask tiles come from their rings, released here.
+// The gate's alpha of a consumer thread's two rows in a tile (0 past the last row; gated
+// kernels only).
+struct GateRows {
+  float alpha[2];
+};
+template <typename Tr>
+__device__ __forceinline__ GateRows gate_rows(const FwdParamsSm90& P, const TileWork& w,
+                                              const ConsumerThread& th) {
+  GateRows rows{};
+  if constexpr (Tr::kGate) {
+    const AttentionShape& s = P.p.s;
+    const float* alpha = P.p.alpha + s.alpha_offset(w.b, w.h);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = th.row0(w.m0) + 8 * half;
+      rows.alpha[half] = i < s.seqlen_q ? __ldg(alpha + static_cast<int64_t>(i) * s.num_heads) : 0.f;
+    }
+  }
+  return rows;
+}
+
+// s += logsigmoid(alpha_i delta_j) / scale: the gate's term in accumulator units, delta of the
+// block's keys from its ring slot (a float2 per column pair).
+template <typename Tr>
+__device__ __forceinline__ void add_gate(float (&s)[Tr::BN / 2], const float* delta,
+                                         const GateRows& rows, const ConsumerThread& th,
+                                         float mul) {
+#pragma unroll
+  for (int t = 0; t < Tr::NTS; ++t) {
+    const float2 d = *reinterpret_cast<const float2*>(delta + 8 * t + 2 * th.tq);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      s[4 * t + 2 * half] += detail::log_sigmoid(rows.alpha[half] * d.x) * mul;
+      s[4 * t + 2 * half + 1] += detail::log_sigmoid(rows.alpha[half] * d.y) * mul;
+    }
+  }
+}
+
+// S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, + the
+// gate's term, softcap, then -inf where the mask, the segment ids, the lengths or the diagonal
+// window hide a key. The bias and mask tiles come from their rings, released here; the gate's
+// delta from block n's K / V slot `kv`, once its V is full.
 template <typename Tr, typename T>
 __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdParamsSm90& P,
                                               const uint8_t* smem, const FwdBarriers<Tr>& bar,
                                               OperandRings<Tr>& operands, const TileWork& w,
-                                              const ConsumerThread& th, int n, int flags) {
+                                              const ConsumerThread& th, int n, int flags,
+                                              const RingPos<Tr::kStages>& kv,
+                                              const GateRows& gate) {
   const FwdParams& p = P.p;
   bool mask_pending = Tr::kOperands && loads_mask(p, flags);
   if constexpr (Tr::kBias) {
@@ -286,6 +327,11 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
       th.release(bar.bias_empty(pos.slot));
       pos.advance();
     }
+  }
+  if constexpr (Tr::kGate) {
+    mbar_wait(bar.v_full(kv.slot), kv.parity);
+    add_gate<Tr>(s, reinterpret_cast<const float*>(smem + Tr::kOffDelta + kv.slot * Tr::kDeltaBytes),
+                 gate, th, p.bias_mul);
   }
   if (p.softcap > 0.f) {
 #pragma unroll

@@ -23,14 +23,18 @@ constexpr uint32_t kQueuedTileBytes = 64;
 // reads segment ids (kernels of their own: their walk's state would cost the others' consumers
 // registers); kTable: a window table (likewise: its rule and the sink's gap; never with ids:
 // calls with both run the FlashAttention-2-class forward).
+// kGate: the gate (gate.cuh; kernels of their own, without the operand rings, segment ids or
+// window tables): each key block's delta rides with its V tile, and the walks pass over the
+// blocks of the gate threshold's grid that it drops (the tiles nest in the grid's blocks).
 // kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
 // default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
           int kConsumerRegs_ = 0, bool kSegments_ = false, bool kBias_ = kOperands_,
-          bool kTable_ = false>
+          bool kTable_ = false, bool kGate_ = false>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_, kSegments = kSegments_, kTable = kTable_;
+  static constexpr bool kGate = kGate_;
   static constexpr bool kBias = kOperands && kBias_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
@@ -43,9 +47,10 @@ struct FwdTraits {
   // bookkeeping). The D <= 128 kernels with a bias ring take 56 + 2 x 224: their producer and
   // operand warps then spill 37 instructions instead of 395, their consumers none (H100 harness,
   // bias + 50 % mask 0.697 -> 0.692 ms, all-true mask 0.648 -> 0.645; other budgets:
-  // tests/cuda/tune_fwd.cu).
+  // tests/cuda/tune_fwd.cu). The gated D <= 128 kernels too: at 24 their producer (the gate
+  // filter, the delta loads) spilled 228 instructions, at 56 none (sm_90a D = 128).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static constexpr bool kWideProducer = kConsumers == 2 && kBias && D <= 128;
+  static constexpr bool kWideProducer = kConsumers == 2 && (kBias || kGate) && D <= 128;
   static constexpr int kProducerRegs =
       kProducerRegs_ ? kProducerRegs_ : kConsumers == 3 ? 32 : kWideProducer ? 56 : 24;
   static constexpr int kConsumerRegs =
@@ -79,7 +84,10 @@ struct FwdTraits {
   static constexpr int kMaskStages =
       kOffBias + kBiasStages * kBiasBytes + 2 * kMaskBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kOffMask = kOffBias + kBiasStages * kBiasBytes;
-  static constexpr uint32_t kEndOperands = kOffMask + kMaskStages * kMaskBytes;
+  // The gate's delta of each ring slot's key block (BN floats; none without the gate).
+  static constexpr uint32_t kDeltaBytes = kGate ? BN * 4 : 0;
+  static constexpr uint32_t kOffDelta = kOffMask + kMaskStages * kMaskBytes;
+  static constexpr uint32_t kEndOperands = kOffDelta + kStages * kDeltaBytes;
   // O is staged in a tile of its own where it fits (the next tile's Q then loads during the
   // epilogue), else in Q's tile, which is released only once the store has read it. (Storing
   // that O from the registers instead, Q released at once, was slower: H200, D = 256 L4k 0.402
@@ -100,6 +108,13 @@ struct FwdTraits {
                 "tiles on 1024-byte boundaries (the swizzle is a function of the address)");
   static_assert(!kOperands || BN == 128, "a row of a mask tile is one 16-byte unit of bits");
   static_assert(kSmem <= 227 * 1024, "shared memory of one Hopper CTA");
+  static_assert(!kGate || (kGateBlockQ % BM == 0 && kGateBlockK % BN == 0),
+                "gated tiles nest in the gate threshold's grid");
+  static_assert(!kGate || (!kOperands && !kSegments && !kTable),
+                "gated kernels read no mask, bias, segment ids or window table");
+  // A slot's V is full once its TMA bytes (the producer's arrival) and, in gated kernels, its
+  // delta (an arrival of each producer lane once its cp.async has landed) are in.
+  static constexpr int kVFullArrivals = kGate ? 1 + 32 : 1;
 
   // Every consumer warp releases a ring slot (and Q) once its wgmmas have read it.
   static constexpr int kReleaseArrivals = 4 * kConsumers;

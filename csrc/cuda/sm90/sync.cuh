@@ -53,6 +53,13 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                                  "r"(bytes)
                                  : "memory");)
 }
+// One arrival once every cp.async this thread issued before has landed (not counted in the
+// barrier's pending arrivals: its init count includes it).
+__device__ __forceinline__ void mbar_arrive_on_cp_async(uint64_t* bar) {
+  DMATTN_SM90A_ONLY(asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                                     smem_u32(bar))
+                                 : "memory");)
+}
 // Waits until the phase of parity `parity` has completed (a fresh barrier counts the phase of
 // parity 1 as completed, so producers start waiting on their empty barriers with parity 1).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
