@@ -294,7 +294,9 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
       const bool table = params.windows.heads > 0;
       cudaError_t e = cudaErrorNotSupported;
       if (params.alpha != nullptr) {  // HopperForwardTakes: D <= 128, nothing else beside it
-        if constexpr (D <= 128) e = sm90::RunForward<typename Config::GateTraits, T>(params, stream);
+        if constexpr (D <= 128) {
+          e = sm90::RunForward<typename Config::GateTraits, T>(params, stream);
+        }
       } else if (!operands && !segments) {
         e = table ? sm90::RunForward<typename Config::TableTraits, T>(params, stream)
                   : sm90::RunForward<typename Config::Traits, T>(params, stream);

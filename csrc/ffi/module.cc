@@ -61,7 +61,8 @@ nb::dict BuildInfo() {
   info["window_sizes"] = true;  // and per-kv-head windows with sinks
   // and the gate of gated attention, with its threshold
   info["gate"] = true;
-  info["softmax_threshold"] = true;  // and softmax-threshold tile skipping (the CUDA kernels do not)
+  // and softmax-threshold tile skipping (the CUDA kernels do not)
+  info["softmax_threshold"] = true;
   info["min_page_size"] = dmattn::kMinPageSize;  // a paged cache's pages: powers of two
 #if defined(DMATTN_WITH_CUDA)
   info["cuda"] = true;

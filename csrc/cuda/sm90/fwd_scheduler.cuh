@@ -109,6 +109,14 @@ static_assert(sizeof(QueuedTile) <= kQueuedTileBytes && sizeof(QueuedTile) % 4 =
 template <int kSlots>
 using TileQueue = SmemQueue<QueuedTile, kSlots>;
 
+// The gate threshold's verdicts on a gated tile's key blocks: a base of KeyWalk, empty in the
+// kernels without the gate.
+struct NoGatePass {};
+struct GatePass {
+  detail::GateFilter<true> filter;
+  int lo;  // the tile's first visible block
+};
+
 // The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
 // visible (all of them without either), from the last to the first (block_map.cuh), stepping
 // over the gap below a window table's band (kTable); warp-wide.
@@ -116,14 +124,6 @@ using TileQueue = SmemQueue<QueuedTile, kSlots>;
 // work). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
 // in their main loop). Gated kernels pass over the blocks of the gate threshold's grid that it
 // drops (gate.cuh: GateFilter; every block is kept without a threshold).
-// The gate threshold's verdicts on a gated tile's key blocks (a base of KeyWalk, empty in the
-// kernels without the gate).
-struct NoGatePass {};
-struct GatePass {
-  detail::GateFilter<true> filter;
-  int lo;  // the tile's first visible block
-};
-
 template <typename Tr>
 struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   using MaskFlags = detail::KeyTileFlags<Tr::BM, Tr::BN>;

@@ -271,7 +271,8 @@ __device__ __forceinline__ GateRows gate_rows(const FwdParamsSm90& P, const Tile
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = th.row0(w.m0) + 8 * half;
-      rows.alpha[half] = i < s.seqlen_q ? __ldg(alpha + static_cast<int64_t>(i) * s.num_heads) : 0.f;
+      rows.alpha[half] =
+          i < s.seqlen_q ? __ldg(alpha + static_cast<int64_t>(i) * s.num_heads) : 0.f;
     }
   }
   return rows;
@@ -330,8 +331,8 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
   }
   if constexpr (Tr::kGate) {
     mbar_wait(bar.v_full(kv.slot), kv.parity);
-    add_gate<Tr>(s, reinterpret_cast<const float*>(smem + Tr::kOffDelta + kv.slot * Tr::kDeltaBytes),
-                 gate, th, p.bias_mul);
+    const uint8_t* delta = smem + Tr::kOffDelta + kv.slot * Tr::kDeltaBytes;
+    add_gate<Tr>(s, reinterpret_cast<const float*>(delta), gate, th, p.bias_mul);
   }
   if (p.softcap > 0.f) {
 #pragma unroll
