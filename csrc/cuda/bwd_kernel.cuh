@@ -520,9 +520,8 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
     auto next_block = [&](int m, int* flags) {
       int next = walk.next(m, flags);
       if constexpr (kGated) {  // past the grid blocks the gate threshold drops
-        while (next <= m_last && !gate_filter.keeps(next * BM / static_cast<int>(kGateBlockQ))) {
-          next = walk.next(next + 1, flags);
-        }
+        next = gate_filter.template next_kept<BM>(
+            next, m_last + 1, [&](int i, int* f) { return walk.next(i, f); }, flags);
       }
       return next;
     };

@@ -210,10 +210,8 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
   }();
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
-    if constexpr (kGated) {
-      while (next >= n_lo && !gate_filter.keeps(next * BN / static_cast<int>(kGateBlockK))) {
-        next = next_visible(next - 1, flags);
-      }
+    if constexpr (kGated) {  // past the grid blocks the gate threshold drops
+      next = gate_filter.template next_kept<BN>(next, n_lo - 1, next_visible, flags);
     }
     return next;
   };

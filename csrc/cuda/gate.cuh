@@ -138,6 +138,20 @@ struct GateFilter {
     }
     return kept >> offset & 1u;
   }
+
+  // The first of blocks n (one the walk names), then next_visible(n -+ 1, flags)'s, ... that the
+  // threshold keeps, in walking order; `end` (just past the walk) when none is: the walk's tile
+  // blocks are kWidth keys (kByKey) or rows wide, nested in the grid's blocks.
+  template <int kWidth, typename NextVisible>
+  __device__ __forceinline__ int next_kept(int n, int end, NextVisible&& next_visible,
+                                           int* flags) {
+    constexpr int kGrid = static_cast<int>(kByKey ? kGateBlockK : kGateBlockQ);
+    static_assert(kGrid % kWidth == 0, "tiles nest in the gate grid");
+    while ((kByKey ? n > end : n < end) && !keeps(n * kWidth / kGrid)) {
+      n = next_visible(kByKey ? n - 1 : n + 1, flags);
+    }
+    return n;
+  }
 };
 
 // Sums over a warp's 32 lanes of each of 8 values a lane: lane l ends with the sum of v[l >> 2]

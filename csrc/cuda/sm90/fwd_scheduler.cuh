@@ -140,9 +140,8 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   __device__ __forceinline__ int next(int n, int* flags) {
     n = visible(n, flags);
     if constexpr (Tr::kGate) {
-      while (n >= this->lo && !this->filter.keeps(n * Tr::BN / static_cast<int>(kGateBlockK))) {
-        n = visible(n - 1, flags);
-      }
+      n = this->filter.template next_kept<Tr::BN>(
+          n, this->lo - 1, [&](int m, int* f) { return visible(m, f); }, flags);
     }
     return n;
   }
