@@ -585,9 +585,11 @@ CUDA_CASES = [
     ("flash", 1, 257, 300, 8, 2, 128, True, "keys", "keys", None, jnp.bfloat16),
     ("flash", 2, 96, 190, 4, 1, 64, False, "dense", "keys", 8.0, jnp.bfloat16),
     ("dpa", 2, 140, 170, 4, 2, 128, True, "dense", None, None, jnp.bfloat16),
-    # without a mask or bias: the Hopper forward where it runs
+    # without a mask or bias: the Hopper forward where it runs, and the Hopper backward without
+    # a softcap
     ("flash", 1, 257, 300, 8, 2, 128, True, None, None, None, jnp.bfloat16),
     ("flash", 2, 130, 333, 4, 4, 64, False, None, None, 5.0, jnp.bfloat16),
+    ("flash", 3, 190, 260, 4, 1, 64, True, None, None, None, jnp.bfloat16),
 ]
 
 

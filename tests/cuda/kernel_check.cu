@@ -1505,7 +1505,14 @@ std::vector<Case> AllCases() {
     c = Case(); c.name = "gate_cut_det_q300_k400_d128_causal_dlse"; c.H = 4; c.Hk = 1;
     c.Lq = 300; c.Lk = 400; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5;
     c.deterministic = true; c.dlse = true; add(c);
-    // without a mask or bias: the Hopper forward's gated kernels where they run
+    // without a mask or bias: the Hopper forward's and backward's gated kernels where they run
+    // (the backward's: no softcap; K and V shared over the batch, a CTA's delta changes with
+    // the batch entry of its query blocks)
+    c = Case(); c.name = "gate_q300_k450_d64_gqa_kv_shared"; c.batch = {3}; c.kv_batch = {1};
+    c.H = 4; c.Hk = 2; c.Lq = 300; c.Lk = 450; c.D = 64; c.gate = true; add(c);
+    c = Case(); c.name = "gate_cut_q500_k700_d64_window"; c.H = 2; c.Hk = 1; c.Lq = 500;
+    c.Lk = 700; c.D = 64; c.gate = true; c.gate_cut = -1.5; c.window_left = 300;
+    c.window_right = 200; add(c);
     c = Case(); c.name = "gate_q257_k300_d128_gqa_causal_seqlens"; c.batch = {2}; c.H = 8;
     c.Hk = 2; c.Lq = 257; c.Lk = 300; c.D = 128; c.causal = true; c.gate = true;
     c.seqlens = true; c.q_lens = {257, 100}; c.kv_lens = {300, 180}; add(c);
@@ -1609,6 +1616,9 @@ std::vector<Case> QuickCases() {
     // no mask or bias: the Hopper forward's gated kernel
     c = Case(); c.name = "quick_gate_cut_q17_k129_d128_causal"; c.H = 2; c.Hk = 1; c.Lq = 17;
     c.Lk = 129; c.D = 128; c.causal = true; c.gate = true; c.gate_cut = -1.5; v.push_back(c);
+    c = Case(); c.name = "quick_gate_q70_k200_d64_kv_shared_seqlens"; c.batch = {2};
+    c.kv_batch = {1}; c.H = 2; c.Hk = 1; c.Lq = 70; c.Lk = 200; c.D = 64; c.gate = true;
+    c.seqlens = true; c.q_lens = {70, 33}; c.kv_lens = {200, 131}; v.push_back(c);
   }
   {
     Case c; c.name = "quick_q300_k257_d128_seqlens_softcap"; c.batch = {2}; c.H = 2; c.Hk = 1;
@@ -1994,7 +2004,7 @@ void Bench(bool variants, const std::string& only) {
   }
   {
     // issue 27: gated attention, exact and with a cut that drops three of every four grid key
-    // blocks (the Hopper forward where it runs, the FlashAttention-2-class backward), against
+    // blocks (the Hopper kernels where they run), against the same call without the gate and
     // the FlashAttention-2-class kernels without the gate (key ranges hiding nothing: the
     // kFormsAndIds kernels that gated calls with mask forms run)
     Case c = mk("b12", 1, 16, 16, 16384, 128, true, false, false);
@@ -2002,6 +2012,7 @@ void Bench(bool variants, const std::string& only) {
     c.key_ranges_all = true;
     benches.push_back({"key ranges (all visible) d128 L16k H16 causal", c, 0});
     c = mk("b12g", 1, 16, 16, 16384, 128, true, false, false);
+    benches.push_back({"no gate (gate bench shape) d128 L16k H16 causal", c, 0});
     c.gate = true;
     benches.push_back({"gate d128 L16k H16 causal", c, 0});
     c.gate_cut = -1.5;

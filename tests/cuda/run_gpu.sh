@@ -28,7 +28,7 @@ sync_out() {
   return 0
 }
 DEFS=""
-SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu csrc/cuda/block_map.cu csrc/cuda/dynamic.cu csrc/cuda/segments.cu csrc/cuda/mask_forms.cu csrc/cuda/sm90/tensor_maps.cu"
+SRCS="tests/cuda/kernel_check.cu csrc/cuda/launch.cu csrc/cuda/block_map.cu csrc/cuda/dynamic.cu csrc/cuda/segments.cu csrc/cuda/mask_forms.cu csrc/cuda/gate.cu csrc/cuda/sm90/tensor_maps.cu"
 VARIANTS=""
 if [ "$TUNE" = 1 ]; then
   DEFS="$DEFS -DDMATTN_CUDA_TUNING=1"

@@ -14,6 +14,9 @@
 // 16 warp + g + 8 (e / 2), query 8 t + 2 tq + e % 2.
 #pragma once
 
+#include <type_traits>
+
+#include "cuda/gate.cuh"
 #include "cuda/sm90/bwd_producer.cuh"
 #include "cuda/sm90/fwd_scores.cuh"
 
@@ -170,6 +173,103 @@ __device__ __forceinline__ void apply_mask_t(float (&s)[Tr::BM / 2], const uint8
     }
 }
 
+// The gate of a block as a consumer thread reads it from the block's ring slot: alpha of the
+// block's rows, delta of the thread's two keys (key_local, + 8).
+struct BwdGateSlot {
+  const float* alpha;
+  float delta[2];
+  template <typename Tr>
+  static __device__ __forceinline__ BwdGateSlot at(const uint8_t* smem, int slot,
+                                                   int key_local) {
+    const float* base = reinterpret_cast<const float*>(smem + Tr::kOffGate + slot * Tr::kGateBytes);
+    return {base, {base[Tr::BM + key_local], base[Tr::BM + key_local + 8]}};
+  }
+  // alpha_i and alpha_i delta_j of S^T's element 4 t + e.
+  __device__ __forceinline__ float row(int t, int e, const ConsumerThread& th) const {
+    return alpha[8 * t + 2 * th.tq + (e & 1)];
+  }
+  __device__ __forceinline__ float arg(int t, int e, const ConsumerThread& th) const {
+    return row(t, e, th) * delta[e >> 1];
+  }
+};
+
+// S^T = logsigmoid(alpha_i delta_j) / scale: the gate's term in the scores' units, which the S^T
+// GEMM then accumulates into (as bias_scores_t: computed before the GEMMs, no accumulator in
+// flight but dK's and dV's).
+template <typename Tr>
+__device__ __forceinline__ void gate_scores_t(float (&s)[Tr::BM / 2], const BwdGateSlot& gate,
+                                              float mul, const ConsumerThread& th) {
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * t + e] = detail::log_sigmoid(gate.arg(t, e, th)) * mul;
+}
+
+// Element 4 t + e of S^T's layout from its pairs packed as a wgmma A operand (pack_probabilities).
+template <typename T>
+__device__ __forceinline__ float ds_element(const uint32_t (&ds)[4][4], int t, int e) {
+  const float2 pair = detail::Elem<T>::unpack(ds[t / 2][2 * (t % 2) + e / 2]);
+  return e % 2 ? pair.y : pair.x;
+}
+
+// The gate's gradients of the block from dS^T (the logits' cotangent, ds, as the dK GEMM's
+// operand: rounded to T as in the FlashAttention-2-class kernels' dS tile): w_ij = dS_ij
+// sigmoid(-alpha_i delta_j) adds w_ij delta_j to dalpha_i and w_ij alpha_i to ddelta_j, each a
+// sum over the thread's pairs, then over the lanes that share its rows (g) or keys (tq) by
+// shuffles, then one fp32 atomic a row and key of the warp. Rows and keys past the lengths have
+// dS = 0 (P^T = 0 there) but no gradient element: skipped.
+template <typename Tr, typename T>
+__device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 16][4],
+                                                 const BwdGateSlot& gate, const BwdParams& p,
+                                                 const QueuedBlock& blk, int key0,
+                                                 const ConsumerThread& th) {
+  const AttentionShape& s = p.s;
+  float keys[2] = {0.f, 0.f};
+  // The rows in two halves of 4 t (8 sums a thread, fewer registers live): rows[2 t' + r] is
+  // row 8 (t0 + t') + 2 tq + r; halving over the 8 lanes of one tq leaves lane l with
+  // rows[g], row 8 (t0 + g / 2) + 2 tq + g % 2.
+  constexpr int kHalf = Tr::BM / 16;
+  static_assert(kHalf == 4, "8 row sums a thread over 8 lanes: one a lane");
+#pragma unroll
+  for (int t0 = 0; t0 < Tr::BM / 8; t0 += kHalf) {
+    float rows[2 * kHalf];
+#pragma unroll
+    for (int t = 0; t < kHalf; ++t) {
+      rows[2 * t] = rows[2 * t + 1] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float w = ds_element<T>(ds, t0 + t, e) *
+                        detail::log_sigmoid_grad(gate.arg(t0 + t, e, th));
+        rows[2 * t + (e & 1)] += w * gate.delta[e >> 1];
+        keys[e >> 1] += w * gate.row(t0 + t, e, th);
+      }
+    }
+#pragma unroll
+    for (int half = kHalf, o = 16; half > 0; half >>= 1, o >>= 1) {
+      const bool upper = th.lane & o;
+#pragma unroll
+      for (int k = 0; k < half; ++k) {
+        const float other = __shfl_xor_sync(0xffffffffu, upper ? rows[k] : rows[k + half], o);
+        rows[k] = (upper ? rows[k + half] : rows[k]) + other;
+      }
+    }
+    const int i = blk.m0 + 8 * (t0 + th.g / 2) + 2 * th.tq + th.g % 2;
+    if (i < blk.lens.q_len) {
+      atomicAdd(p.dalpha + s.alpha_offset(blk.b, blk.h) + int64_t{i} * s.num_heads, rows[0]);
+    }
+  }
+  const int hk = blk.h / static_cast<int>(s.heads_per_kv_head());
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    keys[k] += __shfl_xor_sync(0xffffffffu, keys[k], 1);
+    keys[k] += __shfl_xor_sync(0xffffffffu, keys[k], 2);
+    const int j = key0 + 8 * k;
+    if (th.tq == 0 && j < blk.lens.kv_len) {
+      atomicAdd(p.ddelta + s.delta_offset(blk.b, hk) + int64_t{j} * s.num_kv_heads, keys[k]);
+    }
+  }
+}
+
 // dS^T = P^T (dP^T - D) in place of dP^T; D of the block's rows at `dsum`.
 template <typename Tr>
 __device__ __forceinline__ void score_grads_t(float (&dp)[Tr::BM / 2],
@@ -234,8 +334,10 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
   RingPos<Tr::kStages> ring;
   RingPos<Tr::kDsSlots> ds_ring;
   RingPos<Tr::kDqStages> dq_ring;
-  QueueReader<Tr, QueuedRows> blocks{queue};
-  QueuedRows blk = blocks.next();
+  // Gated kernels read the block's batch entry and head too: where its gate's gradients go.
+  using Block = std::conditional_t<Tr::kGate, QueuedBlock, QueuedRows>;
+  QueueReader<Tr, Block> blocks{queue};
+  Block blk = blocks.next();
 #pragma unroll 1
   while (blk.m0 >= 0) {
     const int slot = ring.slot;
@@ -252,10 +354,16 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
                                                       slot * Tr::kBiasRowBytes),
                            P.bias_tiles.one_row, p.bias_mul, key_local, th);
     }
-    issue_scores_t<Tr, T, !Tr::kBias>(s, ops.k_rows, detail::gmma_advance(ops.q_kmajor, q_off));
+    BwdGateSlot gate{};
+    if constexpr (Tr::kGate) {
+      gate = BwdGateSlot::at<Tr>(smem, slot, key_local);
+      gate_scores_t<Tr>(s, gate, p.bias_mul, th);
+    }
+    issue_scores_t<Tr, T, !Tr::kBias && !Tr::kGate>(s, ops.k_rows,
+                                                    detail::gmma_advance(ops.q_kmajor, q_off));
     mbar_wait(bar.do_full(slot), ring.parity);
     issue_scores_t<Tr, T>(dp, ops.v_rows, detail::gmma_advance(ops.do_kmajor, q_off));
-    const QueuedRows next = blocks.next();  // while the GEMMs run: its pop waits on shared memory
+    const Block next = blocks.next();  // while the GEMMs run: its pop waits on shared memory
 
     // ---- P^T, dS^T -------------------------------------------------------------------------
     detail::wgmma_wait<1>();
@@ -294,9 +402,11 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_async_shared();
     named_arrive(kBwdDqFullBarrier + dq_ring.slot, kDqHandoffThreads);
     dq_ring.advance();
+    // while the dK GEMM runs (its dS operand only read): no accumulator but dK's and dV's live
+    if constexpr (Tr::kGate) add_gate_grads_t<Tr, T>(dsf, gate, p, blk, key0, th);
     detail::wgmma_wait<0>();  // dK: Q is free
     detail::fence_operands(dk);
-    if constexpr (Tr::kSegments) {
+    if constexpr (Tr::kSegments || Tr::kGate) {
       mbar_arrive(bar.q_empty(slot));  // every thread (kQEmptyArrivals)
     } else {
       th.release(bar.q_empty(slot));

@@ -20,7 +20,8 @@ namespace dmattn::cuda::sm90 {
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
 // True when the kernel takes the call: dense attention with lengths, causality or a window, GQA /
-// MQA, a mask, a bias and segment ids (no O(L) mask forms, window table or softcap), dQ through the
+// MQA, a mask, a bias, segment ids or the gate (no O(L) mask forms, window table or softcap; the
+// gate alone, with or without its threshold), dQ through the
 // accumulator (deterministic calls: in turns, with the flags of the workspace), operands TMA can
 // address. The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
@@ -43,8 +44,12 @@ inline bool Takes(const BwdLaunch& l) {
   const bool segments_ok =
       IndexKindOf(p) == kNoIndex || (IndexKindOf(p) == kSegmentIds && p.mask == nullptr &&
                                      p.bias == nullptr && p.compute_dq);
+  // The gate (BwdTraitsSm90::kGate) without a mask, bias, segment ids or mask forms, beside one
+  // dQ stage (its gradients by atomics: not in the deterministic mode's order).
+  const bool gate_ok = IndexKindOf(p) == kGatedForms && p.mask == nullptr && p.bias == nullptr &&
+                       p.q_segments == nullptr && !p.forms.present && p.compute_dq;
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
-         segments_ok &&
+         (segments_ok || gate_ok) &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&

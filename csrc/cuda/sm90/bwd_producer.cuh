@@ -50,6 +50,34 @@ __device__ __forceinline__ void write_segment_bits(const BwdParams& p, const Que
   }
 }
 
+// The gate's alpha of the block's rows and delta of the CTA's keys (of the block's batch entry)
+// into ring slot `slot` by the loader's lanes, each arriving on the slot's q_full once its copies
+// have landed (kQFullArrivals). Zeros past the last row or key: the consumers hide those pairs.
+template <typename Tr>
+__device__ __forceinline__ void load_gate(const BwdParams& p, uint8_t* smem, uint64_t* full,
+                                          int slot, const QueuedBlock& blk, int n0) {
+  const AttentionShape& s = p.s;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int heads = static_cast<int>(s.num_heads), kv_heads = static_cast<int>(s.num_kv_heads);
+  const int hk = blk.h / (heads / kv_heads);
+  const float* alpha = p.alpha + s.alpha_offset(blk.b, blk.h);
+  const float* delta = p.delta + s.delta_offset(blk.b, hk);
+  const uint32_t dst = detail::smem_u32(smem + Tr::kOffGate + slot * Tr::kGateBytes);
+  auto copy = [&](uint32_t to, const float* column, int stride, int i, int n) {
+    const bool in = i < n;
+    detail::cp_async4(to, in ? column + static_cast<int64_t>(i) * stride : column, in ? 4 : 0);
+  };
+#pragma unroll
+  for (int r = lane; r < Tr::BM; r += 32) {
+    copy(dst + 4 * r, alpha, heads, blk.m0 + r, static_cast<int>(s.seqlen_q));
+  }
+#pragma unroll
+  for (int k = lane; k < Tr::BN; k += 32) {
+    copy(dst + 4 * (Tr::BM + k), delta, kv_heads, n0 + k, static_cast<int>(s.seqlen_k));
+  }
+  mbar_arrive_on_cp_async(full);
+}
+
 template <typename Tr>
 __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
                                      const BwdBarriers<Tr>& bar, const BlockQueue<Tr>& queue,
@@ -126,6 +154,7 @@ __device__ __forceinline__ void load(const BwdParamsSm90& P, uint8_t* smem,
     load_rows(Tr::kOffQ + slot * Tr::kQBytes, &P.q_tma, lse_slots + slot * Tr::kRowSlot,
               &P.lse_tma, bar.q_full(slot), blk, mask_bytes + bias_bytes);
     if (Tr::kSegments && !leader) mbar_arrive(bar.q_full(slot));  // each lane: kQFullArrivals
+    if constexpr (Tr::kGate) load_gate<Tr>(p, smem, bar.q_full(slot), slot, blk, w.n0);
     if (leader && Tr::kBias) load_bias(slot, ds_ring.slot, bar.q_full(slot), blk);
     ds_ring.advance();
     if (leader && mask_bytes > 0) {  // the block's mask bits, with Q

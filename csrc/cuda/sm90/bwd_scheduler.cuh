@@ -15,6 +15,7 @@
 
 #include "cuda/block_map.cuh"
 #include "cuda/bwd_kernel.cuh"
+#include "cuda/gate.cuh"
 #include "cuda/segments.cuh"
 #include "cuda/sm90/bwd_traits.cuh"
 
@@ -117,8 +118,21 @@ __device__ __forceinline__ int tile_flags(const BwdParams& p, int64_t b, int h, 
   return detail::MaskMapView(p.mask_map, p.s, b, h).tile<Tr::BM, Tr::BN>(m0, n0);
 }
 
-// f(block) for every query block of the CTA, in order, but those the mask hides entirely (the
-// scheduler's walk, a warp-wide call).
+// The gate threshold's verdicts on the grid blocks of the block's rows against the CTA's keys
+// (gated kernels; every block kept without a threshold), or nothing.
+template <typename Tr>
+__device__ __forceinline__ auto gate_filter(const BwdParams& p, const BwdCtaWork& w,
+                                            const BwdBlock& blk) {
+  if constexpr (Tr::kGate) {
+    return detail::GateFilter<false>(detail::GateView(p, blk.b, blk.h),
+                                     w.n0 / static_cast<int>(kGateBlockK));
+  } else {
+    return 0;
+  }
+}
+
+// f(block) for every query block of the CTA, in order, but those the mask hides entirely and
+// those the gate threshold drops (the scheduler's walk, a warp-wide call).
 template <typename Tr, typename F>
 __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const BwdCtaWork& w,
                                                      F&& f) {
@@ -133,9 +147,17 @@ __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const B
     query_blocks_of<Tr>(w, w.n0, blk.lens, &m_first, &m_last);
     detail::TileWalk<1, QueryFlags<Tr>> walk(QueryFlags<Tr>::may_hide(p),
                                              QueryFlags<Tr>(p, blk.b, blk.h, w.n0), m_last + 1);
+    auto next_block = [&, gate = gate_filter<Tr>(p, w, blk)](int m) mutable {
+      auto visible = [&](int i, int* flags) { return walk.next(i, flags); };
+      const int next = visible(m, &blk.tile_flags);
+      if constexpr (Tr::kGate) {
+        return gate.template next_kept<Tr::BM>(next, m_last + 1, visible, &blk.tile_flags);
+      } else {
+        return next;
+      }
+    };
 #pragma unroll 1
-    for (int m = walk.next(m_first, &blk.tile_flags); m <= m_last;
-         m = walk.next(m + 1, &blk.tile_flags)) {
+    for (int m = next_block(m_first); m <= m_last; m = next_block(m + 1)) {
       blk.m0 = m * Tr::BM;
       f(blk);
     }

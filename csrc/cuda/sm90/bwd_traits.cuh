@@ -72,8 +72,11 @@ constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 // overlap; the others one (a second stage made them 1-2 % slower on an H100). kBias_: the call
 // has a bias (without, none of its code takes registers from the consumers). kSegments_: it has
 // segment ids, applied as mask bits (kBlockIndexed; a kernel of its own: their walk and bits in
-// every kernel moved the others' register allocation, the biased consumers into spills).
-template <int D_, int kDqStages_ = 1, bool kBias_ = false, bool kSegments_ = false>
+// every kernel moved the others' register allocation, the biased consumers into spills). kGate_:
+// gated calls (gate.cuh), without a mask, bias or segment ids: each block's alpha rows and the
+// key block's delta (of the block's batch entry) come with its Q into a slot of their own.
+template <int D_, int kDqStages_ = 1, bool kBias_ = false, bool kSegments_ = false,
+          bool kGate_ = false>
 struct BwdTraitsSm90 {
   static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
@@ -81,6 +84,7 @@ struct BwdTraitsSm90 {
   static constexpr int kDqStages = kDqStages_;
   static constexpr bool kSegments = kSegments_;
   static constexpr bool kBias = kBias_;
+  static constexpr bool kGate = kGate_;
   // 56 + 2 x 224 registers of the launch's 3 x 168: the producer warpgroup's scheduler and
   // loader spilled at 24 (local traffic beside the consumers' shared memory: D64 backward 6 %
   // slower at 24, 4 % at 40 than at 56 on an H100), and the consumers fit 224 (at D128 with a
@@ -125,6 +129,10 @@ struct BwdTraitsSm90 {
   static constexpr bool kMasks = kDqStages == 1;
   static_assert(!kSegments || (kMasks && !kBias), "segment ids as mask bits, without a bias");
   static_assert(!kBias || kDqStages == 1, "a bias beside one dQ stage (Takes)");
+  static_assert(!kGate || (kDqStages == 1 && !kBias && !kSegments),
+                "gated kernels: one dQ stage, no bias or segment ids (Takes)");
+  static_assert(!kGate || (kGateBlockQ % BM == 0 && kGateBlockK % BN == 0),
+                "tiles nest in the gate threshold's grid");
   static constexpr uint32_t kMaskBytes = BM * BN / 8;
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
   // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.
@@ -133,7 +141,11 @@ struct BwdTraitsSm90 {
   // read by every query row of the block).
   static constexpr uint32_t kBiasRowBytes = BN * 2;
   static constexpr uint32_t kOffBiasRow = kOffMask + (kMasks ? kStages * kMaskBytes : 0);
-  static constexpr uint32_t kOffQueue = kOffBiasRow + (kBias ? kStages * kBiasRowBytes : 0);
+  // The gate's alpha of the block's BM rows, then delta of the BN keys, per ring slot (zeros past
+  // the ends): the loader's lanes copy them (a one-float column is under TMA's 16-byte box).
+  static constexpr uint32_t kGateBytes = kGate ? (BM + BN) * 4 : 0;
+  static constexpr uint32_t kOffGate = kOffBiasRow + (kBias ? kStages * kBiasRowBytes : 0);
+  static constexpr uint32_t kOffQueue = kOffGate + kStages * kGateBytes;
   static constexpr uint32_t kOffBarriers = kOffQueue + kQueueSlots * sizeof(QueuedBlock);
   // kv_full, then q_full, q_empty, do_full, do_empty per slot, the queue's full, empty, then
   // ds_empty per dS slot
@@ -149,6 +161,7 @@ struct BwdTraitsSm90 {
                 "TMA destinations of the rows");
   static_assert(kOffMask % 128 == 0 && kMaskBytes % 128 == 0 && kBiasRowBytes % 128 == 0,
                 "TMA destinations of the masks and bias rows");
+  static_assert(kGateBytes % 16 == 0, "the gate slots keep the queue 16-byte aligned");
   static_assert((kQueueSlots * sizeof(QueuedBlock)) % 8 == 0 && sizeof(QueuedRows) == 16,
                 "the queue keeps the barriers 8-byte aligned; the consumers' part, one load");
 
@@ -157,9 +170,11 @@ struct BwdTraitsSm90 {
   static constexpr int kReleaseArrivals = 4 * kConsumers;
   // The segment kernel's loader lanes write its mask bits with plain stores: each lane that
   // writes them arrives on q_full, and every consumer thread that reads them on q_empty (one
-  // arrival for its warp orders no other lane's access: racecheck saw hazards both ways).
-  static constexpr int kQFullArrivals = kSegments ? 32 : 1;
-  static constexpr int kQEmptyArrivals = kSegments ? kConsumerThreads : kReleaseArrivals;
+  // arrival for its warp orders no other lane's access: racecheck saw hazards both ways). The
+  // gated kernel's lanes arrive once their copies of the gate have landed, beside the TMA's.
+  static constexpr int kQFullArrivals = kSegments ? 32 : kGate ? 1 + 32 : 1;
+  static constexpr int kQEmptyArrivals =
+      kSegments || kGate ? kConsumerThreads : kReleaseArrivals;
   static constexpr int kQueueArrivals = 32 * (4 * kConsumers + kDqStages + 1);
 };
 
