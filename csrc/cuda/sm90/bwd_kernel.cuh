@@ -12,8 +12,9 @@
 //                     dQ, then the epilogue (bwd_epilogue.cuh)
 //
 // Calls with lengths, causality or a window, GQA / MQA, dk / dv classes, a mask and a bias (not
-// with the deterministic mode; dbias only full-size, without lengths), deterministic or not; no
-// index masks, window tables or softcap (sm90/bwd_launch.cuh: Takes).
+// with the deterministic mode; dbias only full-size, without lengths), segment ids, or the gate
+// alone (not deterministic), deterministic or not; no O(L) mask forms, window tables or softcap
+// (sm90/bwd_launch.cuh: Takes).
 #pragma once
 
 #include "cuda/sm90/bwd_epilogue.cuh"

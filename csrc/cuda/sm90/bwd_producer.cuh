@@ -1,6 +1,7 @@
 // Producer warpgroup of the Hopper backward. Warp 0 (the loader): K and V of the key block by TMA
 // once, then per queued query block Q with its lse rows (and mask bits, or those of its segment
-// ids, written by the warp; its bias tile, in its dS slot) and dO with its D rows by TMA into the
+// ids, written by the warp; its bias tile, in its dS slot; the gate's alpha rows and delta of the
+// key block, copied by the warp's lanes) and dO with its D rows by TMA into the
 // next ring slot, each slot once the consumers have released it (lse and D are read as flat
 // vectors: a block's rows start anywhere, its box on the 16-byte boundary below; the consumers mask
 // the rows past its length). Warp 1 (warps 1 and 2 in turn, deterministic): each block's dQ stage,
