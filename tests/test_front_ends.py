@@ -378,3 +378,39 @@ def test_cuda_arch_matching_and_gpu_summary(monkeypatch):
     assert "no compiled arch (90a) runs on it" in cli.gpu_summary()
     monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "9.0")
     assert cli.gpu_summary().endswith("the CUDA kernels run on it")
+
+
+def test_scale_zero_runs_the_reference_on_a_gpu(monkeypatch):
+    """scale=0 leaves only the bias (and the gate) in the logits. The CUDA kernels carry both in
+    units of 1 / scale and would drop them, so on a GPU the call runs the reference (None warns,
+    "cuda" raises); the CPU kernels take it and match the float64 reference, gradients included."""
+    from conftest import fake_cuda_build
+    from form_checks import assert_cuda_refuses, qkv
+
+    from jax_dmattn.params import AttentionParams
+
+    fake_cuda_build(monkeypatch, [16, 128])
+    assert_cuda_refuses(AttentionParams(scale=0.0), "do not take scale=0")
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, 2, 17, 23, 4, 2, 16)
+    bias = jnp.asarray(rng.standard_normal((2, 4, 17, 23)), jnp.float32)
+    alpha = jnp.asarray(rng.standard_normal((2, 17, 4)) * 1.5, jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((2, 23, 2)) * 1.5, jnp.float32)
+
+    def loss(implementation):
+        def fn(q, k, v, bias, alpha, delta):
+            out = flash_dmattn(q, k, v, bias=bias, gate=(alpha, delta), scale=0.0,
+                               is_causal=True, implementation=implementation)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
+
+    args = (q, k, v, bias, alpha, delta)
+    (_, out), grads = jax.jit(loss("cpu"))(*args)
+    (_, want), want_grads = reference_jit(loss("xla"))(*(as_f64(x) for x in args))
+    assert_close("out", out, want, 1e-5)
+    names = ("dq", "dk", "dv", "dbias", "dalpha", "ddelta")
+    for name, g, w in zip(names, grads, want_grads, strict=True):
+        if name in ("dq", "dk"):  # q . k has no weight in the logits
+            assert np.all(np.asarray(g) == 0), name
+        else:
+            assert_close(name, g, w, 1e-5)
