@@ -8,6 +8,8 @@
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
+// Gated kernels (kGate): S^T starts from the gate's term (gate_scores_t), and while the dK GEMM
+// runs, dalpha and ddelta gain the block's sums of dS sigmoid(-alpha delta) (add_gate_grads_t).
 // Q and dO leave the ring as soon as the GEMMs reading them are done; with a bias the dS slot
 // leaves its own ring once the dQ GEMM is done and any dbias store has read it. The accumulator
 // layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
