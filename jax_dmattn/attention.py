@@ -84,9 +84,8 @@ def flash_dmattn(
         ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, and-ed with every other rule (causality,
         mask, bias, GQA, softcap). No gradient. The kernels skip the tiles whose ids cannot
         meet.
-      scale: logit scale, default ``1 / sqrt(D)``; any finite float (on a GPU, ``0`` runs the
-        pure-JAX reference: the CUDA kernels carry the bias and the gate in units of
-        ``1 / scale``).
+      scale: logit scale, default ``1 / sqrt(D)``; any finite float (on a GPU, a scale
+        ``<= 0`` runs the pure-JAX reference: the CUDA kernels take scale > 0).
       is_causal: bottom-right aligned: key ``j`` is visible to query ``i`` iff
         ``j <= i + (Lk - Lq)``.
       softcap: ``None`` or ``> 0``: logits become ``softcap · tanh(logits / softcap)``.

@@ -380,17 +380,20 @@ def test_cuda_arch_matching_and_gpu_summary(monkeypatch):
     assert cli.gpu_summary().endswith("the CUDA kernels run on it")
 
 
-def test_scale_zero_runs_the_reference_on_a_gpu(monkeypatch):
-    """scale=0 leaves only the bias (and the gate) in the logits. The CUDA kernels carry both in
-    units of 1 / scale and would drop them, so on a GPU the call runs the reference (None warns,
-    "cuda" raises); the CPU kernels take it and match the float64 reference, gradients included."""
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+def test_scale_not_positive_runs_the_reference_on_a_gpu(monkeypatch, scale):
+    """The CUDA kernels carry the bias and the gate in units of 1 / scale and hide scores as
+    -inf before scaling them: at scale 0 they would drop the bias and the gate, below 0 turn a
+    hidden score into +inf. So on a GPU such a call runs the reference (None warns, "cuda"
+    raises); the CPU kernels take it and match the float64 reference with a bias, a gate and
+    causality, gradients included."""
     from conftest import fake_cuda_build
     from form_checks import assert_cuda_refuses, qkv
 
     from jax_dmattn.params import AttentionParams
 
     fake_cuda_build(monkeypatch, [16, 128])
-    assert_cuda_refuses(AttentionParams(scale=0.0), "do not take scale=0")
+    assert_cuda_refuses(AttentionParams(scale=scale), "take scale > 0")
     rng = np.random.default_rng(11)
     q, k, v = qkv(rng, 2, 17, 23, 4, 2, 16)
     bias = jnp.asarray(rng.standard_normal((2, 4, 17, 23)), jnp.float32)
@@ -399,7 +402,7 @@ def test_scale_zero_runs_the_reference_on_a_gpu(monkeypatch):
 
     def loss(implementation):
         def fn(q, k, v, bias, alpha, delta):
-            out = flash_dmattn(q, k, v, bias=bias, gate=(alpha, delta), scale=0.0,
+            out = flash_dmattn(q, k, v, bias=bias, gate=(alpha, delta), scale=scale,
                                is_causal=True, implementation=implementation)
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
@@ -410,7 +413,7 @@ def test_scale_zero_runs_the_reference_on_a_gpu(monkeypatch):
     assert_close("out", out, want, 1e-5)
     names = ("dq", "dk", "dv", "dbias", "dalpha", "ddelta")
     for name, g, w in zip(names, grads, want_grads, strict=True):
-        if name in ("dq", "dk"):  # q . k has no weight in the logits
+        if scale == 0.0 and name in ("dq", "dk"):  # q . k has no weight in the logits
             assert np.all(np.asarray(g) == 0), name
         else:
             assert_close(name, g, w, 1e-5)

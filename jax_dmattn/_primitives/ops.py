@@ -264,8 +264,8 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with a softmax threshold, which the CUDA kernels do not
-    take yet, a window table of too many kv heads, or scale=0, which the CUDA kernels' bias and
-    gate terms cannot carry: the first of them missing is the reason),
+    take yet, a window table of too many kv heads, or a scale <= 0, which the CUDA kernels do
+    not take: the first of them missing is the reason),
     implementation="cuda" raises and None warns once per reason (then runs the pure-JAX
     reference). Every mask form (a bool mask, key ranges, row ranges, block indices and their
     tuples), segment ids and the gate run on the CUDA kernels."""
@@ -286,10 +286,11 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int) ->
                        f"heads, not {len(params.window_sizes)}",
                        "A table of one window without sink for every kv head runs on the CUDA "
                        "kernels at any head count.")
-    if missing is None and params.scale == 0.0:
-        missing = ("the CUDA kernels do not take scale=0 (they carry the bias and the gate in "
-                   "units of 1 / scale: with scale=0 they would drop both)",
-                   "scale=0 runs on the CPU kernels and the reference.")
+    if missing is None and params.scale <= 0.0:
+        missing = ("the CUDA kernels take scale > 0 (they carry the bias and the gate in "
+                   "units of 1 / scale and hide scores as -inf before scaling them: at 0 they "
+                   "would drop the bias and gate, below 0 turn hidden scores into +inf)",
+                   "A scale <= 0 runs on the CPU kernels and the reference.")
     if missing is None and params.softmax_threshold is not None:
         missing = ("the CUDA kernels do not take softmax_threshold (tile skipping) yet",
                    "Tile skipping runs on the CPU kernels and the reference for now (issue 27).")
