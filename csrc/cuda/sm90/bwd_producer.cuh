@@ -57,25 +57,11 @@ __device__ __forceinline__ void write_segment_bits(const BwdParams& p, const Que
 template <typename Tr>
 __device__ __forceinline__ void load_gate(const BwdParams& p, uint8_t* smem, uint64_t* full,
                                           int slot, const QueuedBlock& blk, int n0) {
-  const AttentionShape& s = p.s;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int heads = static_cast<int>(s.num_heads), kv_heads = static_cast<int>(s.num_kv_heads);
-  const int hk = blk.h / (heads / kv_heads);
-  const float* alpha = p.alpha + s.alpha_offset(blk.b, blk.h);
-  const float* delta = p.delta + s.delta_offset(blk.b, hk);
-  const uint32_t dst = detail::smem_u32(smem + Tr::kOffGate + slot * Tr::kGateBytes);
-  auto copy = [&](uint32_t to, const float* column, int stride, int i, int n) {
-    const bool in = i < n;
-    detail::cp_async4(to, in ? column + static_cast<int64_t>(i) * stride : column, in ? 4 : 0);
-  };
-#pragma unroll
-  for (int r = lane; r < Tr::BM; r += 32) {
-    copy(dst + 4 * r, alpha, heads, blk.m0 + r, static_cast<int>(s.seqlen_q));
-  }
-#pragma unroll
-  for (int k = lane; k < Tr::BN; k += 32) {
-    copy(dst + 4 * (Tr::BM + k), delta, kv_heads, n0 + k, static_cast<int>(s.seqlen_k));
-  }
+  const detail::GateView gate(p, blk.b, blk.h);
+  float* dst = reinterpret_cast<float*>(smem + Tr::kOffGate + slot * Tr::kGateBytes);
+  gate.load_rows_async<Tr::BM, 32>(dst, blk.m0, static_cast<int>(p.s.seqlen_q) - blk.m0, lane);
+  gate.load_keys_async<Tr::BN, 32>(dst + Tr::BM, n0, static_cast<int>(p.s.seqlen_k) - n0, lane);
   mbar_arrive_on_cp_async(full);
 }
 
