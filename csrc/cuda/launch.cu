@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/attention.h"
@@ -335,6 +336,18 @@ int64_t DecodeSplits(const AttentionShape& s) {
   return best;
 }
 
+// What every entry point refuses. The kernels carry the bias and the gate in units of 1 / scale
+// and hide scores as -inf before multiplying them by the scale, so a scale <= 0 would drop the
+// bias and gate (0) or turn hidden scores into +inf (< 0): such calls take the reference.
+cudaError_t CheckShape(const AttentionShape& s) {
+  if (s.dtype != ElementType::kBFloat16 && s.dtype != ElementType::kFloat16) {
+    return cudaErrorNotSupported;
+  }
+  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (!(s.scale > 0.f) || !std::isfinite(s.scale)) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
 }  // namespace
 
 // Key splits of the forward: none while the (query block, head, batch) grid fills 80 % of the
@@ -415,12 +428,7 @@ int64_t BackwardWorkspaceBytes(const AttentionShape& shape) {
 }
 
 cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaStream_t stream) {
-  if (shape.dtype != ElementType::kBFloat16 && shape.dtype != ElementType::kFloat16) {
-    return cudaErrorNotSupported;
-  }
-  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
-    return cudaErrorInvalidValue;
-  }
+  if (cudaError_t e = CheckShape(shape); e != cudaSuccess) return e;
   // Only the decode forward reads a paged cache: the front end gathers the pages of other calls.
   if (shape.pages.present() && !DecodeTakes(shape)) return cudaErrorNotSupported;
   FwdParams p{};
@@ -511,12 +519,7 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
 }
 
 cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cudaStream_t stream) {
-  if (shape.dtype != ElementType::kBFloat16 && shape.dtype != ElementType::kFloat16) {
-    return cudaErrorNotSupported;
-  }
-  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
-    return cudaErrorInvalidValue;
-  }
+  if (cudaError_t e = CheckShape(shape); e != cudaSuccess) return e;
   if (args.softmax_d == nullptr) return cudaErrorInvalidValue;
   BwdLaunch l;
   BwdParams& p = l.p;

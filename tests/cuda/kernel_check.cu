@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -1848,6 +1849,28 @@ int64_t CheckSumListedKeys(std::mt19937& rng, dmattn::ListedKeysShape s) {
   return bad;
 }
 
+// Forward and Backward refuse a scale <= 0 (or not finite) before reading any operand.
+bool ScaleRefusals() {
+  bool ok = true;
+  for (float scale : {0.f, -0.3f, std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()}) {
+    AttentionShape s;
+    s.dtype = ElementType::kBFloat16;
+    s.num_heads = s.num_kv_heads = 1;  // valid but for the scale
+    s.head_dim = 64;
+    s.scale = scale;
+    const cudaError_t f = dmattn::cuda::Forward(s, dmattn::cuda::ForwardArgs{}, nullptr);
+    const cudaError_t b = dmattn::cuda::Backward(s, dmattn::cuda::BackwardArgs{}, nullptr);
+    if (f != cudaErrorInvalidValue || b != cudaErrorInvalidValue) {
+      std::printf("    scale %g: Forward %s, Backward %s (want cudaErrorInvalidValue)\n", scale,
+                  cudaGetErrorName(f), cudaGetErrorName(b));
+      ok = false;
+    }
+  }
+  std::printf("%-36s %s\n", "scale_refusals", ok ? "PASS" : "FAIL");
+  return ok;
+}
+
 bool DynamicKernelChecks() {
   std::mt19937 rng(99);
   int64_t bad = 0;
@@ -2146,7 +2169,7 @@ int main(int argc, char** argv) {
   }
   if (list) {
     for (const Case& c : AllCases()) std::printf("%s\n", c.name.c_str());
-    std::printf("dynamic_kernels\n");
+    std::printf("dynamic_kernels\nscale_refusals\n");
     return 0;
   }
   int dev = 0;
@@ -2321,6 +2344,10 @@ int main(int argc, char** argv) {
   if (!bench_only && only.empty() && (exact.empty() || exact == "dynamic_kernels")) {
     ++ran;
     if (!DynamicKernelChecks()) ++failures;
+  }
+  if (!bench_only && only.empty() && (exact.empty() || exact == "scale_refusals")) {
+    ++ran;
+    if (!ScaleRefusals()) ++failures;
   }
   if (variants) std::printf("variant failures: %d\n", variant_failures);
   if (bench) {
