@@ -176,22 +176,24 @@ __device__ __forceinline__ void apply_mask_t(float (&s)[Tr::BM / 2], const uint8
 }
 
 // The gate of a block as a consumer thread reads it from the block's ring slot: alpha of the
-// block's rows, delta of the thread's two keys (key_local, + 8).
+// block's rows, delta of the thread's two keys (key_local, + 8) as gate.cuh's scaled forms take
+// it: times log2(e), and times the bias's multiplier `mul`.
 struct BwdGateSlot {
   const float* alpha;
-  float delta[2];
+  float delta2[2], delta_mul[2];
   template <typename Tr>
-  static __device__ __forceinline__ BwdGateSlot at(const uint8_t* smem, int slot,
-                                                   int key_local) {
+  static __device__ __forceinline__ BwdGateSlot at(const uint8_t* smem, int slot, int key_local,
+                                                   float mul) {
     const float* base = reinterpret_cast<const float*>(smem + Tr::kOffGate + slot * Tr::kGateBytes);
-    return {base, {base[Tr::BM + key_local], base[Tr::BM + key_local + 8]}};
+    const float d[2] = {base[Tr::BM + key_local], base[Tr::BM + key_local + 8]};
+    return {base, {d[0] * detail::kLog2e, d[1] * detail::kLog2e}, {d[0] * mul, d[1] * mul}};
   }
-  // alpha_i and alpha_i delta_j of S^T's element 4 t + e.
+  // alpha_i and alpha_i delta_j log2(e) of S^T's element 4 t + e.
   __device__ __forceinline__ float row(int t, int e, const ConsumerThread& th) const {
     return alpha[8 * t + 2 * th.tq + (e & 1)];
   }
-  __device__ __forceinline__ float arg(int t, int e, const ConsumerThread& th) const {
-    return row(t, e, th) * delta[e >> 1];
+  __device__ __forceinline__ float arg2(int t, int e, const ConsumerThread& th) const {
+    return row(t, e, th) * delta2[e >> 1];
   }
 };
 
@@ -201,10 +203,14 @@ struct BwdGateSlot {
 template <typename Tr>
 __device__ __forceinline__ void gate_scores_t(float (&s)[Tr::BM / 2], const BwdGateSlot& gate,
                                               float mul, const ConsumerThread& th) {
+  const float mul_ln2 = mul * detail::kLn2;
 #pragma unroll
   for (int t = 0; t < Tr::BM / 8; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * t + e] = detail::log_sigmoid(gate.arg(t, e, th)) * mul;
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] = detail::scaled_log_sigmoid(gate.delta2[e >> 1], gate.delta_mul[e >> 1],
+                                                gate.row(t, e, th), mul_ln2);
+    }
 }
 
 // Element 4 t + e of S^T's layout from its pairs packed as a wgmma A operand (pack_probabilities).
@@ -219,11 +225,11 @@ __device__ __forceinline__ float ds_element(const uint32_t (&ds)[4][4], int t, i
 // sigmoid(-alpha_i delta_j) adds w_ij delta_j to dalpha_i and w_ij alpha_i to ddelta_j, each a
 // sum over the thread's pairs, then over the lanes that share its rows (g) or keys (tq) by
 // shuffles, then one fp32 atomic a row and key of the warp. Rows and keys past the lengths have
-// dS = 0 (P^T = 0 there) but no gradient element: skipped.
+// dS = 0 (P^T = 0 there) but no gradient element: skipped. hk: the CTA's kv head.
 template <typename Tr, typename T>
 __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 16][4],
                                                  const BwdGateSlot& gate, const BwdParams& p,
-                                                 const QueuedBlock& blk, int key0,
+                                                 const QueuedBlock& blk, int key0, int hk,
                                                  const ConsumerThread& th) {
   const AttentionShape& s = p.s;
   float keys[2] = {0.f, 0.f};
@@ -241,8 +247,8 @@ __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float w = ds_element<T>(ds, t0 + t, e) *
-                        detail::log_sigmoid_grad(gate.arg(t0 + t, e, th));
-        rows[2 * t + (e & 1)] += w * gate.delta[e >> 1];
+                        detail::log_sigmoid_grad_log2(gate.arg2(t0 + t, e, th));
+        rows[2 * t + (e & 1)] += w * gate.delta2[e >> 1];  // log2(e) too: undone below
         keys[e >> 1] += w * gate.row(t0 + t, e, th);
       }
     }
@@ -257,10 +263,10 @@ __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 1
     }
     const int i = blk.m0 + 8 * (t0 + th.g / 2) + 2 * th.tq + th.g % 2;
     if (i < blk.lens.q_len) {
-      atomicAdd(p.dalpha + s.alpha_offset(blk.b, blk.h) + int64_t{i} * s.num_heads, rows[0]);
+      atomicAdd(p.dalpha + s.alpha_offset(blk.b, blk.h) + int64_t{i} * s.num_heads,
+                rows[0] * detail::kLn2);
     }
   }
-  const int hk = blk.h / static_cast<int>(s.heads_per_kv_head());
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     keys[k] += __shfl_xor_sync(0xffffffffu, keys[k], 1);
@@ -358,7 +364,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     }
     BwdGateSlot gate{};
     if constexpr (Tr::kGate) {
-      gate = BwdGateSlot::at<Tr>(smem, slot, key_local);
+      gate = BwdGateSlot::at<Tr>(smem, slot, key_local, p.bias_mul);
       gate_scores_t<Tr>(s, gate, p.bias_mul, th);
     }
     issue_scores_t<Tr, T, !Tr::kBias && !Tr::kGate>(s, ops.k_rows,
@@ -405,7 +411,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     named_arrive(kBwdDqFullBarrier + dq_ring.slot, kDqHandoffThreads);
     dq_ring.advance();
     // while the dK GEMM runs (its dS operand only read): no accumulator but dK's and dV's live
-    if constexpr (Tr::kGate) add_gate_grads_t<Tr, T>(dsf, gate, p, blk, key0, th);
+    if constexpr (Tr::kGate) add_gate_grads_t<Tr, T>(dsf, gate, p, blk, key0, w.cta.hk, th);
     detail::wgmma_wait<0>();  // dK: Q is free
     detail::fence_operands(dk);
     if constexpr (Tr::kSegments || Tr::kGate) {
