@@ -28,10 +28,24 @@ __device__ __forceinline__ float log_sigmoid(float x) {
   return fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
 }
 
-// d logsigmoid(x) / dx = sigmoid(-x), in the form without cancellation on either side.
+// d logsigmoid(x) / dx = sigmoid(-x) = 1 / (1 + e^x): no cancellation, and its limits exact
+// (e^x = inf gives 0).
 __device__ __forceinline__ float log_sigmoid_grad(float x) {
-  const float e = __expf(-fabsf(x));
-  return (x >= 0.f ? e : 1.f) / (1.f + e);
+  return __fdividef(1.f, 1.f + __expf(x));
+}
+
+// The Hopper backward's forms of the two for x = alpha delta, from factors it keeps per key
+// (here alpha2 = alpha log2(e), alpha_mul = alpha mul; mul > 0: it takes scale > 0):
+// logsigmoid(x) mul = min(x mul, 0) - log2(1 + 2^(-|alpha2 delta|)) mul ln(2), 7 instructions
+// an element against 8 above; sigmoid(-x) = 1 / (1 + 2^x2) from x2 = x log2(e), 4 with x2 against
+// 7 (the gated kernels are bound by the instructions they issue).
+__device__ __forceinline__ float scaled_log_sigmoid(float alpha2, float alpha_mul, float delta,
+                                                    float mul_ln2) {
+  const float e = fast_exp2(-fabsf(alpha2) * fabsf(delta));
+  return fmaf(__log2f(1.f + e), -mul_ln2, fminf(alpha_mul * delta, 0.f));
+}
+__device__ __forceinline__ float log_sigmoid_grad_log2(float x2) {
+  return __fdividef(1.f, 1.f + fast_exp2(x2));
 }
 
 // n <= N floats `stride` apart at src into dst by cp.async (zeros past n).

@@ -18,6 +18,7 @@
 namespace dmattn::cuda::detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // ------------------------------------------------------------------------------------------
 // Element types

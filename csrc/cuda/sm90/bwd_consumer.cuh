@@ -175,23 +175,19 @@ __device__ __forceinline__ void apply_mask_t(float (&s)[Tr::BM / 2], const uint8
     }
 }
 
-// The gate of a block as a consumer thread reads it from the block's ring slot: alpha of the
-// block's rows, delta of the thread's two keys (key_local, + 8).
+// The gate of a block in its ring slot: alpha of the block's rows, then delta of the CTA's
+// keys. The consumers read it where they use it (held across the block's GEMMs, the factors
+// cost them spills).
+template <typename Tr>
 struct BwdGateSlot {
   const float* alpha;
-  float delta[2];
-  template <typename Tr>
-  static __device__ __forceinline__ BwdGateSlot at(const uint8_t* smem, int slot,
-                                                   int key_local) {
-    const float* base = reinterpret_cast<const float*>(smem + Tr::kOffGate + slot * Tr::kGateBytes);
-    return {base, {base[Tr::BM + key_local], base[Tr::BM + key_local + 8]}};
-  }
-  // alpha_i and alpha_i delta_j of S^T's element 4 t + e.
+  const float* delta;
+  __device__ __forceinline__ BwdGateSlot(const uint8_t* smem, int slot)
+      : alpha(reinterpret_cast<const float*>(smem + Tr::kOffGate + slot * Tr::kGateBytes)),
+        delta(alpha + Tr::BM) {}
+  // alpha_i of S^T's element 4 t + e.
   __device__ __forceinline__ float row(int t, int e, const ConsumerThread& th) const {
     return alpha[8 * t + 2 * th.tq + (e & 1)];
-  }
-  __device__ __forceinline__ float arg(int t, int e, const ConsumerThread& th) const {
-    return row(t, e, th) * delta[e >> 1];
   }
 };
 
@@ -199,12 +195,21 @@ struct BwdGateSlot {
 // GEMM then accumulates into (as bias_scores_t: computed before the GEMMs, no accumulator in
 // flight but dK's and dV's).
 template <typename Tr>
-__device__ __forceinline__ void gate_scores_t(float (&s)[Tr::BM / 2], const BwdGateSlot& gate,
-                                              float mul, const ConsumerThread& th) {
+__device__ __forceinline__ void gate_scores_t(float (&s)[Tr::BM / 2], const BwdGateSlot<Tr>& gate,
+                                              int key_local, float mul,
+                                              const ConsumerThread& th) {
+  // gate.cuh's scaled form: the thread's keys' delta times log2(e) and times mul
+  const float d[2] = {gate.delta[key_local], gate.delta[key_local + 8]};
+  const float d2[2] = {d[0] * detail::kLog2e, d[1] * detail::kLog2e};
+  const float d_mul[2] = {d[0] * mul, d[1] * mul};
+  const float mul_ln2 = mul * detail::kLn2;
 #pragma unroll
   for (int t = 0; t < Tr::BM / 8; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * t + e] = detail::log_sigmoid(gate.arg(t, e, th)) * mul;
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] =
+          detail::scaled_log_sigmoid(d2[e >> 1], d_mul[e >> 1], gate.row(t, e, th), mul_ln2);
+    }
 }
 
 // Element 4 t + e of S^T's layout from its pairs packed as a wgmma A operand (pack_probabilities).
@@ -219,13 +224,16 @@ __device__ __forceinline__ float ds_element(const uint32_t (&ds)[4][4], int t, i
 // sigmoid(-alpha_i delta_j) adds w_ij delta_j to dalpha_i and w_ij alpha_i to ddelta_j, each a
 // sum over the thread's pairs, then over the lanes that share its rows (g) or keys (tq) by
 // shuffles, then one fp32 atomic a row and key of the warp. Rows and keys past the lengths have
-// dS = 0 (P^T = 0 there) but no gradient element: skipped.
+// dS = 0 (P^T = 0 there) but no gradient element: skipped. hk: the CTA's kv head.
 template <typename Tr, typename T>
 __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 16][4],
-                                                 const BwdGateSlot& gate, const BwdParams& p,
-                                                 const QueuedBlock& blk, int key0,
-                                                 const ConsumerThread& th) {
+                                                 const BwdGateSlot<Tr>& gate, const BwdParams& p,
+                                                 const QueuedBlock& blk, int key_local, int key0,
+                                                 int hk, const ConsumerThread& th) {
   const AttentionShape& s = p.s;
+  // the thread's keys' delta times log2(e), undone in the rows' sums
+  const float delta2[2] = {gate.delta[key_local] * detail::kLog2e,
+                           gate.delta[key_local + 8] * detail::kLog2e};
   float keys[2] = {0.f, 0.f};
   // The rows in two halves of 4 t (8 sums a thread, fewer registers live): rows[2 t' + r] is
   // row 8 (t0 + t') + 2 tq + r; halving over the 8 lanes of one tq leaves lane l with
@@ -241,8 +249,8 @@ __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float w = ds_element<T>(ds, t0 + t, e) *
-                        detail::log_sigmoid_grad(gate.arg(t0 + t, e, th));
-        rows[2 * t + (e & 1)] += w * gate.delta[e >> 1];
+                        detail::log_sigmoid_grad_log2(gate.row(t0 + t, e, th) * delta2[e >> 1]);
+        rows[2 * t + (e & 1)] += w * delta2[e >> 1];
         keys[e >> 1] += w * gate.row(t0 + t, e, th);
       }
     }
@@ -257,10 +265,10 @@ __device__ __forceinline__ void add_gate_grads_t(const uint32_t (&ds)[Tr::BM / 1
     }
     const int i = blk.m0 + 8 * (t0 + th.g / 2) + 2 * th.tq + th.g % 2;
     if (i < blk.lens.q_len) {
-      atomicAdd(p.dalpha + s.alpha_offset(blk.b, blk.h) + int64_t{i} * s.num_heads, rows[0]);
+      atomicAdd(p.dalpha + s.alpha_offset(blk.b, blk.h) + int64_t{i} * s.num_heads,
+                rows[0] * detail::kLn2);
     }
   }
-  const int hk = blk.h / static_cast<int>(s.heads_per_kv_head());
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     keys[k] += __shfl_xor_sync(0xffffffffu, keys[k], 1);
@@ -356,10 +364,8 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
                                                       slot * Tr::kBiasRowBytes),
                            P.bias_tiles.one_row, p.bias_mul, key_local, th);
     }
-    BwdGateSlot gate{};
     if constexpr (Tr::kGate) {
-      gate = BwdGateSlot::at<Tr>(smem, slot, key_local);
-      gate_scores_t<Tr>(s, gate, p.bias_mul, th);
+      gate_scores_t<Tr>(s, BwdGateSlot<Tr>(smem, slot), key_local, p.bias_mul, th);
     }
     issue_scores_t<Tr, T, !Tr::kBias && !Tr::kGate>(s, ops.k_rows,
                                                     detail::gmma_advance(ops.q_kmajor, q_off));
@@ -372,7 +378,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_operands(s);
     probabilities_t<Tr>(s, lse_slots + slot * Tr::kRowSlot + blk.row_shift, p, blk, w.band, key0,
                         th);
-    if (blk.flags & kBlockMasked) {
+    if (Tr::kMasks && (blk.flags & kBlockMasked)) {
       apply_mask_t<Tr>(s, smem + Tr::kOffMask + slot * Tr::kMaskBytes, P.mask_tiles.one_row,
                        key_local, th);
     }
@@ -405,7 +411,10 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     named_arrive(kBwdDqFullBarrier + dq_ring.slot, kDqHandoffThreads);
     dq_ring.advance();
     // while the dK GEMM runs (its dS operand only read): no accumulator but dK's and dV's live
-    if constexpr (Tr::kGate) add_gate_grads_t<Tr, T>(dsf, gate, p, blk, key0, th);
+    if constexpr (Tr::kGate) {
+      add_gate_grads_t<Tr, T>(dsf, BwdGateSlot<Tr>(smem, slot), p, blk, key_local, key0,
+                              w.cta.hk, th);
+    }
     detail::wgmma_wait<0>();  // dK: Q is free
     detail::fence_operands(dk);
     if constexpr (Tr::kSegments || Tr::kGate) {

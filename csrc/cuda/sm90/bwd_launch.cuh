@@ -45,9 +45,11 @@ inline bool Takes(const BwdLaunch& l) {
       IndexKindOf(p) == kNoIndex || (IndexKindOf(p) == kSegmentIds && p.mask == nullptr &&
                                      p.bias == nullptr && p.compute_dq);
   // The gate (BwdTraitsSm90::kGate) without a mask, bias, segment ids or mask forms, beside one
-  // dQ stage (its gradients by atomics: not in the deterministic mode's order).
+  // dQ stage (its gradients by atomics: not in the deterministic mode's order), with a positive
+  // scale (gate.cuh: scaled_log_sigmoid).
   const bool gate_ok = IndexKindOf(p) == kGatedForms && p.mask == nullptr && p.bias == nullptr &&
-                       p.q_segments == nullptr && !p.forms.present && p.compute_dq;
+                       p.q_segments == nullptr && !p.forms.present && p.compute_dq &&
+                       p.bias_mul > 0.f;
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
          (segments_ok || gate_ok) &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&

@@ -125,8 +125,8 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kOffDsum = kOffLse + kStages * kRowSlot * 4;
   // A block's mask bits (BM rows of BN / 8 bytes) beside its Q, one per ring slot. Deterministic
   // calls (two dQ stages) have no room for them at D = 128: with a mask they run the
-  // FlashAttention-2-class backward (Takes).
-  static constexpr bool kMasks = kDqStages == 1;
+  // FlashAttention-2-class backward (Takes), as gated calls with a mask do.
+  static constexpr bool kMasks = kDqStages == 1 && !kGate;
   static_assert(!kSegments || (kMasks && !kBias), "segment ids as mask bits, without a bias");
   static_assert(!kBias || kDqStages == 1, "a bias beside one dQ stage (Takes)");
   static_assert(!kGate || (kDqStages == 1 && !kBias && !kSegments),
