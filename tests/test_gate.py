@@ -630,8 +630,8 @@ def test_cuda_threshold_matches_reference_block_rule(case, deterministic):
 
 @pytest.mark.gpu
 def test_cuda_gated_calls_dispatch_and_threshold_bounds_workspace():
-    """Gated calls run the Hopper forward on a Hopper GPU of an sm_90a build unless a mask or
-    bias comes with the gate (then, and elsewhere, the FlashAttention-2-class forward); a
+    """Gated calls run the Hopper forward on a Hopper GPU of an sm_90a build unless a mask, bias
+    or softcap comes with the gate (then, and elsewhere, the FlashAttention-2-class forward); a
     threshold's bounds (float2 [min, max] of alpha and of delta over each 128-row and 128-key
     grid block) join the workspaces sized at trace time: without them the backward of a small
     call ran out of workspace and failed with "invalid argument"."""
@@ -645,6 +645,8 @@ def test_cuda_gated_calls_dispatch_and_threshold_bounds_workspace():
             "hopper" if hopper else "flash2")
     assert _ffi.cuda_forward_kernel(q, k, bias_shape=(2, 16, 1000, 900),
                                     gate=(alpha, delta)) == "flash2"
+    # the Hopper forward's factored gate holds without a softcap only (gate.cuh)
+    assert _ffi.cuda_forward_kernel(q, k, gate=(alpha, delta), softcap=6.0) == "flash2"
     ext = _ffi._extension()
     bounds = -(-(2 * 16 * 8 + 2 * 4 * 8) * 8 // 256) * 256  # float2 a grid block, 256-aligned
     fwd = [ext.cuda_forward_workspace_bytes(q, k, alpha=alpha, delta=delta, gate_cut=cut)

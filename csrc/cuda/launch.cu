@@ -279,7 +279,7 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
          !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
-                          !s.has_segments && s.head_windows == nullptr));
+                          !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f));
 }
 
 bool DecodeTakes(const AttentionShape& s) {

@@ -252,10 +252,13 @@ std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, Op
                               OptionalDims bias, OptionalDims q_segments, OptionalDims kv_segments,
                               OptionalDims key_ranges, OptionalDims row_ranges,
                               OptionalDims block_indices, int64_t block_q, int64_t block_k,
-                              OptionalDims alpha, OptionalDims delta, double gate_cut) {
+                              OptionalDims alpha, OptionalDims delta, double gate_cut,
+                              float softcap) {
   const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges, block_indices,
                                   block_q,    block_k,     alpha,      delta,      gate_cut};
-  return dmattn::cuda::ForwardKernelName(ForwardShape(q, k, mask, bias, index_masks));
+  dmattn::AttentionShape shape = ForwardShape(q, k, mask, bias, index_masks);
+  shape.softcap = softcap;
+  return dmattn::cuda::ForwardKernelName(shape);
 }
 
 void CudaSetForwardKernel(const std::string& name) {
@@ -313,6 +316,7 @@ NB_MODULE(_dmattn, m) {
         "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
         "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
         "alpha"_a.none() = nb::none(), "delta"_a.none() = nb::none(), "gate_cut"_a = -INFINITY,
+        "softcap"_a = 0.f,
         "The CUDA forward kernel for these shapes on the current device: 'decode', 'hopper', "
         "'flash2' or 'flash2_split'.");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,

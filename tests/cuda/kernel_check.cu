@@ -1859,8 +1859,8 @@ bool ScaleRefusals() {
     s.num_heads = s.num_kv_heads = 1;  // valid but for the scale
     s.head_dim = 64;
     s.scale = scale;
-    const cudaError_t f = dmattn::cuda::Forward(s, dmattn::cuda::ForwardArgs{}, nullptr);
-    const cudaError_t b = dmattn::cuda::Backward(s, dmattn::cuda::BackwardArgs{}, nullptr);
+    const cudaError_t f = dmattn::cuda::Forward(s, ForwardArgs{}, nullptr);
+    const cudaError_t b = dmattn::cuda::Backward(s, BackwardArgs{}, nullptr);
     if (f != cudaErrorInvalidValue || b != cudaErrorInvalidValue) {
       std::printf("    scale %g: Forward %s, Backward %s (want cudaErrorInvalidValue)\n", scale,
                   cudaGetErrorName(f), cudaGetErrorName(b));

@@ -8,8 +8,9 @@
 //   dQ   = dS K     (this warpgroup's half of the head dim, every key of the block, once both
 //                    warpgroups' dS are stored) -> the block's dQ stage, reduced by its dQ warp
 //
-// Gated kernels (kGate): S^T starts from the gate's term (gate_scores_t), and while the dK GEMM
-// runs, dalpha and ddelta gain the block's sums of dS sigmoid(-alpha delta) (add_gate_grads_t).
+// Gated kernels (kGate): S^T starts from the factored gate's bound (gate_scores_t), P^T takes its
+// weight (weigh_gate_t), and while the dK GEMM runs, dalpha and ddelta gain the block's sums of
+// dS sigmoid(-alpha delta) (add_gate_grads_t).
 // Q and dO leave the ring as soon as the GEMMs reading them are done; with a bias the dS slot
 // leaves its own ring once the dQ GEMM is done and any dbias store has read it. The accumulator
 // layout is that of mma.sync m16n8 tiles side by side (sm90.cuh): element 4 t + e of S^T is key
@@ -191,24 +192,32 @@ struct BwdGateSlot {
   }
 };
 
-// S^T = logsigmoid(alpha_i delta_j) / scale: the gate's term in the scores' units, which the S^T
-// GEMM then accumulates into (as bias_scores_t: computed before the GEMMs, no accumulator in
-// flight but dK's and dV's).
+// S^T = min(alpha_i delta_j, 0) / scale: the factored gate's bound (gate.cuh) in the scores'
+// units, which the S^T GEMM then accumulates into (as bias_scores_t: computed before the GEMMs, no
+// accumulator in flight but dK's and dV's); weigh_gate_t completes it on P^T.
 template <typename Tr>
 __device__ __forceinline__ void gate_scores_t(float (&s)[Tr::BM / 2], const BwdGateSlot<Tr>& gate,
                                               int key_local, float mul,
                                               const ConsumerThread& th) {
-  // gate.cuh's scaled form: the thread's keys' delta times log2(e) and times mul
-  const float d[2] = {gate.delta[key_local], gate.delta[key_local + 8]};
-  const float d2[2] = {d[0] * detail::kLog2e, d[1] * detail::kLog2e};
-  const float d_mul[2] = {d[0] * mul, d[1] * mul};
-  const float mul_ln2 = mul * detail::kLn2;
+  const float d_mul[2] = {gate.delta[key_local] * mul, gate.delta[key_local + 8] * mul};
 #pragma unroll
   for (int t = 0; t < Tr::BM / 8; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] =
-          detail::scaled_log_sigmoid(d2[e >> 1], d_mul[e >> 1], gate.row(t, e, th), mul_ln2);
+      s[4 * t + e] = detail::gate_bound(gate.row(t, e, th) * d_mul[e >> 1]);
+    }
+}
+
+// P^T *= sigmoid(|alpha_i delta_j|), the factored gate's weight (as the forward's GateWeights).
+template <typename Tr>
+__device__ __forceinline__ void weigh_gate_t(float (&pt)[Tr::BM / 2], const BwdGateSlot<Tr>& gate,
+                                             int key_local, const ConsumerThread& th) {
+  const float d_half[2] = {0.5f * gate.delta[key_local], 0.5f * gate.delta[key_local + 8]};
+#pragma unroll
+  for (int t = 0; t < Tr::BM / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pt[4 * t + e] *= detail::gate_weight(gate.row(t, e, th) * d_half[e >> 1]);
     }
 }
 
@@ -378,6 +387,7 @@ __device__ __forceinline__ void consume(const BwdParamsSm90& P, uint8_t* smem,
     detail::fence_operands(s);
     probabilities_t<Tr>(s, lse_slots + slot * Tr::kRowSlot + blk.row_shift, p, blk, w.band, key0,
                         th);
+    if constexpr (Tr::kGate) weigh_gate_t<Tr>(s, BwdGateSlot<Tr>(smem, slot), key_local, th);
     if (Tr::kMasks && (blk.flags & kBlockMasked)) {
       apply_mask_t<Tr>(s, smem + Tr::kOffMask + slot * Tr::kMaskBytes, P.mask_tiles.one_row,
                        key_local, th);

@@ -46,7 +46,7 @@ inline bool Takes(const BwdLaunch& l) {
                                      p.bias == nullptr && p.compute_dq);
   // The gate (BwdTraitsSm90::kGate) without a mask, bias, segment ids or mask forms, beside one
   // dQ stage (its gradients by atomics: not in the deterministic mode's order), with a positive
-  // scale (gate.cuh: scaled_log_sigmoid).
+  // scale (the factored gate's bound in units of 1 / scale, bwd_consumer.cuh: gate_scores_t).
   const bool gate_ok = IndexKindOf(p) == kGatedForms && p.mask == nullptr && p.bias == nullptr &&
                        p.q_segments == nullptr && !p.forms.present && p.compute_dq &&
                        p.bias_mul > 0.f;

@@ -177,7 +177,8 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   detail::fence_operands(s);
   th.release(bar.k_empty(ring.slot));
   finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags, ring, gate);
-  online_softmax<false, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul);
+  online_softmax<false, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul,
+                                            probability_weights<Tr>(smem, ring, gate, th));
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
@@ -197,8 +198,8 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
     // settle, most blocks skip the rescale. The others hide it under the GEMMs, and its test
     // costs them 1-2 % (H200).
-    const bool grew =
-        online_softmax<Tr::kOperands, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul);
+    const bool grew = online_softmax<Tr::kOperands, kSoftmaxChains<Tr>>(
+        s, st, corr, p.softmax_mul, probability_weights<Tr>(smem, ring, gate, th));
 
     detail::wgmma_wait<0>();  // P V
     detail::fence_operands(o);

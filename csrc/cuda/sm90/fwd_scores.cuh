@@ -1,7 +1,7 @@
 // The consumer side of the Hopper forward's scores: which accumulator elements a consumer thread
-// holds, S(n) turned into the softmax's scores (+ bias / scale, softcap, -inf where the mask, the
-// lengths or the diagonal window hide a key), the online softmax, and P packed as the A operand
-// of the P V wgmma. The accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh).
+// holds, S(n) turned into the softmax's scores (+ bias / scale, the gate's bound, softcap, -inf
+// where the mask, the lengths or the diagonal window hide a key), the online softmax (with the
+// gate's weights), and P packed as the A operand of the P V wgmma. The accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh).
 #pragma once
 
 #include <cmath>
@@ -278,25 +278,63 @@ __device__ __forceinline__ GateRows gate_rows(const FwdParamsSm90& P, const Tile
   return rows;
 }
 
-// s += logsigmoid(alpha_i delta_j) / scale: the gate's term in accumulator units, delta of the
-// block's keys from its ring slot (a float2 per column pair).
+// The gate's delta of the block in K / V ring slot kv (full once its V is).
 template <typename Tr>
-__device__ __forceinline__ void add_gate(float (&s)[Tr::BN / 2], const float* delta,
-                                         const GateRows& rows, const ConsumerThread& th,
-                                         float mul) {
+__device__ __forceinline__ const float* gate_delta(const uint8_t* smem,
+                                                   const RingPos<Tr::kStages>& kv) {
+  return reinterpret_cast<const float*>(smem + Tr::kOffDelta + kv.slot * Tr::kDeltaBytes);
+}
+
+// The gate, factored (gate.cuh; gated kernels take no softcap: HopperForwardTakes): s += min(x, 0)
+// / scale with x = alpha_i delta_j, delta of the block's keys from its ring slot (a float2 a column
+// pair); the softmax then weighs the exponentials by GateWeights.
+template <typename Tr>
+__device__ __forceinline__ void add_gate_bound(float (&s)[Tr::BN / 2], const float* delta,
+                                               const GateRows& rows, const ConsumerThread& th,
+                                               float mul) {
 #pragma unroll
   for (int t = 0; t < Tr::NTS; ++t) {
     const float2 d = *reinterpret_cast<const float2*>(delta + 8 * t + 2 * th.tq);
+    const float dx = d.x * mul, dy = d.y * mul;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      s[4 * t + 2 * half] += detail::log_sigmoid(rows.alpha[half] * d.x) * mul;
-      s[4 * t + 2 * half + 1] += detail::log_sigmoid(rows.alpha[half] * d.y) * mul;
+      s[4 * t + 2 * half] += detail::gate_bound(rows.alpha[half] * dx);
+      s[4 * t + 2 * half + 1] += detail::gate_bound(rows.alpha[half] * dy);
     }
   }
 }
 
+// The probabilities' factors (online_softmax): none, or the gate's sigmoid(|alpha_i delta_j|) with
+// delta of the block's keys in its ring slot.
+struct NoWeights {
+  static constexpr bool kAny = false;
+  __device__ __forceinline__ float operator()(int, int) const { return 1.f; }
+};
+struct GateWeights {
+  static constexpr bool kAny = true;
+  const float* delta;
+  float half_alpha[2];  // alpha / 2 of the thread's two rows
+  int tq;
+  // Element i of column pair tile t: row half i / 2, column 8 t + 2 tq + i % 2.
+  __device__ __forceinline__ float operator()(int t, int i) const {
+    return detail::gate_weight(half_alpha[i / 2] * delta[8 * t + 2 * tq + i % 2]);
+  }
+};
+template <typename Tr>
+__device__ __forceinline__ auto probability_weights(const uint8_t* smem,
+                                                    const RingPos<Tr::kStages>& kv,
+                                                    const GateRows& gate,
+                                                    const ConsumerThread& th) {
+  if constexpr (Tr::kGate) {
+    return GateWeights{gate_delta<Tr>(smem, kv), {0.5f * gate.alpha[0], 0.5f * gate.alpha[1]},
+                       th.tq};
+  } else {
+    return NoWeights{};
+  }
+}
+
 // S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, + the
-// gate's term, softcap, then -inf where the mask, the segment ids, the lengths or the diagonal
+// gate's bound (no softcap then), softcap, then -inf where the mask, the segment ids, the lengths or the diagonal
 // window hide a key. The bias and mask tiles come from their rings, released here; the gate's
 // delta from block n's K / V slot `kv`, once its V is full.
 template <typename Tr, typename T>
@@ -331,10 +369,9 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
   }
   if constexpr (Tr::kGate) {
     mbar_wait(bar.v_full(kv.slot), kv.parity);
-    const uint8_t* delta = smem + Tr::kOffDelta + kv.slot * Tr::kDeltaBytes;
-    add_gate<Tr>(s, reinterpret_cast<const float*>(delta), gate, th, p.bias_mul);
+    add_gate_bound<Tr>(s, gate_delta<Tr>(smem, kv), gate, th, p.bias_mul);
   }
-  if (p.softcap > 0.f) {
+  if (!Tr::kGate && p.softcap > 0.f) {
 #pragma unroll
     for (int i = 0; i < Tr::BN / 2; ++i) {
       s[i] = p.softcap * detail::accurate_tanh(s[i] * p.softcap_in);
@@ -355,14 +392,15 @@ __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdP
   hide_out_of_bounds<Tr>(s, P, w, th, n);
 }
 
-// s <- exp2(s * mul - m) with the rows' new maxima; corr: the factor for what was summed before.
+// s <- exp2(s * mul - m) weigh(element) with the rows' new maxima; corr: the factor for what was
+// summed before.
 // kTrackGrowth: corr is exactly 1 for a row whose maximum held, and the result says whether the
 // warp has a row whose maximum grew (the only rows whose O needs the factor); without, true.
 // kChains: the independent chains each row's maximum and sum are reduced in; with more than
 // one, the thread's two rows also go through each step side by side (kSoftmaxChains).
-template <bool kTrackGrowth, int kChains, int N>
+template <bool kTrackGrowth, int kChains, int N, typename Weights = NoWeights>
 __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, float (&corr)[2],
-                                               float mul) {
+                                               float mul, const Weights& weigh = {}) {
   static_assert((N / 4) % kChains == 0, "whole chains of column pairs");
   // This thread's maximum of row half `half`, with the running maximum.
   auto thread_max = [&](int half) {
@@ -396,6 +434,7 @@ __device__ __forceinline__ bool online_softmax(float (&s)[N], RowState& st, floa
   auto to_probability = [&](int t, int i, float (&sums)[kChains]) {
     float& x = s[4 * t + i];
     x = detail::fast_exp2(x * mul - m_scaled[i / 2]);
+    if constexpr (Weights::kAny) x *= weigh(t, i);
     sums[(2 * t + i % 2) % kChains] += x;
   };
   auto take_sum = [&](int half, const float (&sums)[kChains]) {
