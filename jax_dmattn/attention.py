@@ -111,7 +111,10 @@ def flash_dmattn(
         ``dalpha[b, i, h] = sum_j dS_ij · sigmoid(-alpha_i delta_j) · delta_j``, ``ddelta``
         likewise summed over rows and the kv head's query heads, dS the logit's cotangent).
         Combines with every mask form, bias, causality, windows, segment ids, lengths and
-        softcap. The CPU kernels and the CUDA kernels take it.
+        softcap. The CPU kernels and the CUDA kernels take it; without a softcap the Hopper
+        kernels use ``exp(s + logsigmoid(x)) = exp(s + min(x, 0)) · sigmoid(|x|)`` with
+        ``sigmoid(|x|)`` from the hardware tanh (relative error below 2^-11, under the 16-bit
+        rounding of the probabilities).
       gate_threshold: ``None`` (exact) or a concrete float ``< 0``, only with a gate. Each query
         head's score matrix is cut into a fixed grid of blocks of ``GATE_BLOCK_Q = 128`` query
         rows × ``GATE_BLOCK_K = 128`` keys from position 0 (the last ones partial; all rows and

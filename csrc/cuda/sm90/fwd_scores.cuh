@@ -1,7 +1,8 @@
 // The consumer side of the Hopper forward's scores: which accumulator elements a consumer thread
 // holds, S(n) turned into the softmax's scores (+ bias / scale, the gate's bound, softcap, -inf
 // where the mask, the lengths or the diagonal window hide a key), the online softmax (with the
-// gate's weights), and P packed as the A operand of the P V wgmma. The accumulator layout is that of mma.sync m16n8 tiles side by side (sm90.cuh).
+// gate's weights), and P packed as the A operand of the P V wgmma. The accumulator layout is that
+// of mma.sync m16n8 tiles side by side (sm90.cuh).
 #pragma once
 
 #include <cmath>
