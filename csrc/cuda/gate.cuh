@@ -18,9 +18,9 @@ namespace dmattn::cuda::detail {
 // logsigmoid(x) = min(x, 0) - log1p(e^-|x|): no cancellation on either side (the CPU kernels'
 // form), on the MUFU units (ex2, lg2): log1pf's software routine made a gated forward 5x slower
 // than the same call without the gate (H100, L16k D128). 1 + e^-|x| rounds to 1 only where
-// e^-|x| < 2^-24, an absolute error below 6e-8 in a score. The gated kernels are bound by the
-// instructions they issue, not by the MUFU units: log1p as a degree-7 polynomial and the
-// division by Newton steps (one MUFU op each here) made them slower (H100, L16k D128 H16 causal,
+// e^-|x| < 2^-24, an absolute error below 6e-8 in a score. Trading MUFU ops for more
+// instructions on the FMA pipes does not pay: log1p as a degree-7 polynomial and the division
+// by Newton steps (one MUFU op each here) made the kernels slower (H100, L16k D128 H16 causal,
 // two runs on two machines, each against the same call without the gate (1.60-1.61 / 4.55-4.65):
 // Hopper forward 2.71 -> 2.87 ms, backward 9.44 -> 9.61, FlashAttention-2-class forward 3.88 ->
 // 5.33).
@@ -35,7 +35,7 @@ __device__ __forceinline__ float log_sigmoid_grad(float x) {
 }
 
 // sigmoid(-x) from x2 = x log2(e), as the Hopper backward keeps delta log2(e) per key: 4
-// instructions with x2 against 7 (the gated kernels are bound by the instructions they issue).
+// instructions with x2 against 7.
 __device__ __forceinline__ float log_sigmoid_grad_log2(float x2) {
   return __fdividef(1.f, 1.f + fast_exp2(x2));
 }
