@@ -309,7 +309,6 @@ __device__ __forceinline__ void add_gate_bound(float (&s)[Tr::BN / 2], const flo
 // delta of the block's keys in its ring slot.
 struct NoWeights {
   static constexpr bool kAny = false;
-  __device__ __forceinline__ float operator()(int, int) const { return 1.f; }
 };
 struct GateWeights {
   static constexpr bool kAny = true;
@@ -335,9 +334,9 @@ __device__ __forceinline__ auto probability_weights(const uint8_t* smem,
 }
 
 // S(n), in accumulator units (q . k), to the scores the softmax takes: + bias / scale, + the
-// gate's bound (no softcap then), softcap, then -inf where the mask, the segment ids, the lengths or the diagonal
-// window hide a key. The bias and mask tiles come from their rings, released here; the gate's
-// delta from block n's K / V slot `kv`, once its V is full.
+// gate's bound (gated kernels take no softcap), softcap, then -inf where the mask, the segment
+// ids, the lengths or the diagonal window hide a key. The bias and mask tiles come from their
+// rings, released here; the gate's delta from block n's K / V slot `kv`, once its V is full.
 template <typename Tr, typename T>
 __device__ __forceinline__ void finish_scores(float (&s)[Tr::BN / 2], const FwdParamsSm90& P,
                                               const uint8_t* smem, const FwdBarriers<Tr>& bar,
