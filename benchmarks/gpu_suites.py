@@ -13,12 +13,14 @@ without sinks and cuDNN with the equivalent dense mask; a seventh, `blocks` (iss
 indices (top-16 of the 64-key blocks for each 64-row query block, L16k D128 H16) against the
 same problem without a mask and with the equivalent dense bool mask; an eighth, `gate` (issue
 27), gated attention (L16k D128 H16 causal) exact and with a gate threshold that drops three of
-every four grid key blocks, against the same call without a gate. Their calls are timed
+every four grid key blocks, against the same call without a gate; a ninth, `threshold` (issue
+27), softmax-threshold skipping on a trained-like input (a sharp key every 1024, L16k D128 H16
+causal) against the exact call and cuDNN. Their calls are timed
 back to back (DESIGN.md §5: `--iters` calls, one block_until_ready, best of 3), since the gaps
 they report are within the per-call latency of a block after every call.
 
     python benchmarks/gpu_suites.py --suite {dense,bias_mask,dynamic,density,packed,sinks,blocks,
-                                             gate,all}
+                                             gate,threshold,all}
         [--quick] [--iters 20] [--out benchmarks/results]
 
 Without a GPU, `--quick --allow-cpu --out /tmp/...` smoke-tests the script on the CPU
@@ -49,19 +51,22 @@ from jax_dmattn._timing import attention_flops, back_to_back_ms, median_ms
 from jax_dmattn.dynamic import default_query_block, dynamic_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks", "blocks", "gate")
+SUITES = ("dense", "bias_mask", "dynamic", "density", "packed", "sinks", "blocks", "gate",
+          "threshold")
 # Suites timed back to back (DESIGN.md §5); the others keep the median of synchronised calls that
 # their recorded results were measured with.
-BACK_TO_BACK = ("packed", "sinks", "blocks", "gate")
+BACK_TO_BACK = ("packed", "sinks", "blocks", "gate", "threshold")
 BACK_TO_BACK_REPEATS = 3
 IMPLS = ("jax_dmattn", "jax_dmattn_mask", "jax_dmattn_batch", "jax_dmattn_window",
-         "jax_dmattn_dense", "jax_dmattn_cut", "jax_dmattn_nogate", "cudnn", "xla")
+         "jax_dmattn_dense", "jax_dmattn_cut", "jax_dmattn_nogate", "jax_dmattn_skip", "cudnn",
+         "xla")
 NAMES = {"jax_dmattn": "jax_dmattn", "jax_dmattn_mask": "jax_dmattn (dense mask)",
          "jax_dmattn_batch": "jax_dmattn (as a batch)",
          "jax_dmattn_window": "jax_dmattn (window, no sinks)",
          "jax_dmattn_dense": "jax_dmattn (no mask)",
          "jax_dmattn_cut": "jax_dmattn (gate threshold)",
          "jax_dmattn_nogate": "jax_dmattn (no gate)",
+         "jax_dmattn_skip": "jax_dmattn (softmax threshold)",
          "cudnn": "cuDNN", "xla": "xla"}
 BWD_FACTOR = 3.5  # forward + backward FLOPs, backward counted as 2.5× forward (DESIGN.md §5)
 DTYPE = jnp.bfloat16
@@ -157,14 +162,16 @@ def block_mask(length: int, density: float, block: int, seed: int) -> jax.Array:
 # ---- timing cells ---------------------------------------------------------------------------
 
 def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None,
-                 window_sizes=None, gate_threshold: float | None = None) -> Callable:
+                 window_sizes=None, gate_threshold: float | None = None,
+                 softmax_threshold: float | None = None) -> Callable:
     """(q, k, v, mask, bias, gate, segment_ids) → out for one implementation. With a `window`
     (the dynamic suite), jax_dmattn is ``dynamic_attention``, which makes its own key lists from
     the bias and ignores the mask; jax_dmattn_mask, jax_dmattn_batch (the packed suite's
     documents as a batch) and jax_dmattn_window (the sinks suite's window alone) are always
     ``flash_dmattn``. ``segment_ids`` [B, L] or None (the packed suite) go to ``flash_dmattn`` as
     both the query and the key ids, `window_sizes` (the sinks suite's table) as its window
-    table, ``gate`` (alpha, delta) or () (the gate suite) and `gate_threshold` as its gate."""
+    table, ``gate`` (alpha, delta) or () (the gate suite) and `gate_threshold` as its gate,
+    `softmax_threshold` as its softmax threshold (the threshold suite)."""
     if impl == "jax_dmattn" and window is not None:
         def attend(q, k, v, mask, bias, gate, segment_ids):
             return dynamic_attention(q, k, v, bias, window, is_causal=causal,
@@ -175,6 +182,7 @@ def attention_fn(impl: str, causal: bool, ours: str | None, window: int | None,
                                            kv_segment_ids=segment_ids, is_causal=causal,
                                            window_sizes=window_sizes, gate=gate or None,
                                            gate_threshold=gate_threshold if gate else None,
+                                           softmax_threshold=softmax_threshold,
                                            implementation=ours)
     else:
         def attend(q, k, v, mask, bias, gate, segment_ids):
@@ -200,7 +208,8 @@ def time_impl(bench: Bench, impl: str, inputs: dict, causal: bool,
     if impl == "cudnn" and not bench.on_gpu:
         return {p: {"error": "skipped: no GPU"} for p in ("fwd", "fwd+bwd")}
     attend = attention_fn(impl, causal, bench.ours, inputs.get("window"),
-                          inputs.get("window_sizes"), inputs.get("gate_threshold"))
+                          inputs.get("window_sizes"), inputs.get("gate_threshold"),
+                          inputs.get("softmax_threshold"))
     gate = tuple(inputs.get("gate") or ())
     ids = inputs.get("segment_ids")
 
@@ -648,6 +657,76 @@ def suite_gate(bench: Bench) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+# Issue 27's acceptance bounds for the threshold suite: the threshold's call against the exact one
+# (forward, forward+backward), with >= SKIP_MIN_DROPPED of the visible grid blocks dropped.
+SKIP_MAX_FWD, SKIP_MAX_FWD_BWD, SKIP_MIN_DROPPED = 0.75, 0.6, 0.7
+SKIP_THRESHOLD, SKIP_SHARP_EVERY, SKIP_SHARPNESS = 0.5, 1024, 60.0
+
+
+def sharp_qkv(batch: int, length: int, heads: int, head_dim: int) -> dict:
+    """Trained-like q, k, v, dout [B, L, H, D] bf16: each head's queries share a direction u
+    (4 u + N(0, 1/4)), and every SKIP_SHARP_EVERY-th key points along it (+ SKIP_SHARPNESS u), so
+    each row's softmax is dominated by a few keys."""
+    shape = (batch, length, heads, head_dim)
+    keys = jax.random.split(jax.random.PRNGKey(11), 5)
+    u = jax.random.normal(keys[0], (heads, head_dim), jnp.float32)
+    u = u / jnp.linalg.norm(u, axis=-1, keepdims=True)
+    sharp = (jnp.arange(length) % SKIP_SHARP_EVERY == 0)[None, :, None, None]
+    q = 0.5 * jax.random.normal(keys[1], shape, jnp.float32) + 4.0 * u
+    k = jax.random.normal(keys[2], shape, jnp.float32) + SKIP_SHARPNESS * sharp * u
+    return dict(q=q.astype(DTYPE), k=k.astype(DTYPE),
+                v=jax.random.normal(keys[3], shape, DTYPE),
+                dout=jax.random.normal(keys[4], shape, DTYPE))
+
+
+def dropped_fraction(inputs: dict, causal: bool, threshold: float) -> float:
+    """The share of the causal grid's visible blocks that `threshold` drops (the forward's drop
+    map, from the kernels that run the timed calls)."""
+    from jax_dmattn import ops
+    from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams
+
+    q, k, v = (inputs[n] for n in "qkv")
+    params = AttentionParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1,
+                             softmax_threshold=threshold)
+    drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, None, None)[2])(
+        q, k, v)).astype(bool)
+    rows, cols = drops.shape[-2:]
+    last_row = np.arange(rows)[:, None] * SKIP_BLOCK_Q + SKIP_BLOCK_Q - 1
+    visible = np.arange(cols)[None] * SKIP_BLOCK_K <= last_row if causal else True
+    visible = np.broadcast_to(visible, drops.shape)
+    return float(drops[visible].mean())
+
+
+def suite_threshold(bench: Bench) -> tuple[list[dict], list[str]]:
+    """Softmax-threshold skipping (issue 27): D=128, H=16, causal, sharp_qkv inputs; exact (no
+    threshold), `softmax_threshold` = SKIP_THRESHOLD, and cuDNN."""
+    heads, head_dim, length = (2, 128, 2048) if bench.quick else (16, 128, 16384)
+    inputs = sharp_qkv(1, length, heads, head_dim)
+    dropped = dropped_fraction(inputs, True, SKIP_THRESHOLD)
+    label = f"D={head_dim} L={kilo(length)} H={heads} causal sharp"
+    config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=True,
+                  softmax_threshold=SKIP_THRESHOLD, dropped_blocks=round(dropped, 4))
+    flops = attention_flops(1, heads, length, length, head_dim, causal=True)
+    rows = measure(bench, "threshold", label, config, {**inputs, "mask": None, "bias": None},
+                   True, flops, impls=("jax_dmattn", "jax_dmattn_skip", "cudnn"),
+                   overrides={"jax_dmattn_skip": {"softmax_threshold": SKIP_THRESHOLD}})
+    free(inputs)
+    notes = [f"inputs: each head's queries 4 u + N(0, 1/4), keys N(0, 1) + {SKIP_SHARPNESS} u at "
+             f"every {SKIP_SHARP_EVERY}th key, v N(0, 1); jax_dmattn: `flash_dmattn(..., "
+             f"is_causal=True)` (exact); jax_dmattn (softmax threshold): the same with "
+             f"`softmax_threshold={SKIP_THRESHOLD}`, which drops {100 * dropped:.1f} % of the "
+             "causal grid's visible 64 x 128 blocks; gradients wrt q, k, v",
+             "TF/s counts the causal call's FLOPs for every implementation"]
+    bounds = {"fwd": SKIP_MAX_FWD, "fwd+bwd": SKIP_MAX_FWD_BWD}
+    for row in rows:
+        exact, skip = (row["results"].get(i, {}).get("ms") for i in ("jax_dmattn",
+                                                                      "jax_dmattn_skip"))
+        if exact and skip:
+            notes.append(f"{row['pass']}: threshold / exact = {skip / exact:.3f}× (issue 27: ≤ "
+                         f"{bounds[row['pass']]}×, ≥ {100 * SKIP_MIN_DROPPED:.0f} % dropped)")
+    return rows, notes
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def fmt_ms(ms: float) -> str:
@@ -820,7 +899,7 @@ def main() -> None:
         f"iters {iters}; out {out}" + (f"; {smoke}" if smoke else ""))
     runners = {"dense": suite_dense, "bias_mask": suite_bias_mask, "dynamic": suite_dynamic,
                "density": suite_density, "packed": suite_packed, "sinks": suite_sinks,
-               "blocks": suite_blocks, "gate": suite_gate}
+               "blocks": suite_blocks, "gate": suite_gate, "threshold": suite_threshold}
     results = {}
     for suite in SUITES if args.suite == "all" else (args.suite,):
         rows, notes = runners[suite](bench)

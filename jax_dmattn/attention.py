@@ -135,28 +135,29 @@ def flash_dmattn(
         like a masked row. Dropped pairs get no gradient.
       softmax_threshold: ``None`` or ``0`` (exact attention) or a concrete float ``> 0``: tile
         skipping as upstream's, on a fixed grid. Each query head's scores are cut into blocks of
-        ``SKIP_BLOCK_Q = 128`` rows × ``SKIP_BLOCK_K = 128`` keys from position 0 (the grid of
-        ``gate_threshold``). For each block of rows, the key blocks are visited in increasing key
-        order; block ``(qb, kb)`` is dropped when, for every row ``i`` of it, every visible
-        score ``s_ij`` there (the final logit, after bias, gate and softcap) is below
-        ``lse_i + log(softmax_threshold / n_i)``, where ``lse_i`` is the log-sum-exp of row
-        ``i``'s visible scores in the blocks ``(qb, kb' < kb)`` that were kept (``-inf`` before
-        the first), and ``n_i`` is the number of keys row ``i`` may see by position alone (the
-        key length, causality, the window and its kv head's window with sink; not the mask,
-        segment ids or other mask forms; a score of ``-inf``, from a ``-inf`` bias, counts as
-        hidden, so a block of such scores alone is never dropped). A dropped block's pairs are
-        hidden like masked ones
-        (no V read and no P·V in the forward, no dO / dP work in the backward; Q·Kᵀ still runs
-        on it), so a row's first block with a visible key is never dropped and no row loses
-        every key. The forward records the dropped blocks and the backward skips exactly those:
-        the gradients are exact for the function computed. Kernels of any tile shape or walk
-        order drop the same pairs. Error against exact attention (threshold ``None``): each
-        dropped pair has exact probability below ``softmax_threshold / n_i``, the dropped pairs
-        of a row hold exact probability ``m < t / (1 + t)`` (``t = softmax_threshold · d_i /
-        n_i``, ``d_i`` its dropped visible keys), lse is lower by ``-log(1 - m) < log(1 + t)``
-        and each output coordinate moves by at most ``m · (max_j v_jd - min_j v_jd)`` over the
-        row's visible keys. The CPU kernels take it; on a GPU the reference runs
-        (implementation='cuda' raises).
+        ``SKIP_BLOCK_Q = 64`` rows × ``SKIP_BLOCK_K = 128`` keys from position 0. For each block of
+        rows, the key blocks are visited in increasing key order; block ``(qb, kb)`` is dropped
+        when, for every row ``i`` of it, every visible score ``s_ij`` there (the final logit, after
+        bias, gate and softcap) is below ``lse_i + log(softmax_threshold / n_i)``, where ``lse_i``
+        is the log-sum-exp of row ``i``'s visible scores in the blocks ``(qb, kb' < kb)`` that were
+        kept (``-inf`` before the first), and ``n_i`` is the number of keys row ``i`` may see by
+        position alone (the key length, causality, the window and its kv head's window with sink;
+        not the mask, segment ids or other mask forms; a score of ``-inf``, from a ``-inf`` bias,
+        counts as hidden, so a block of such scores alone is never dropped). A dropped block's pairs
+        are hidden like masked ones (no V read and no P·V in the forward, no dO / dP work in the
+        backward; Q·Kᵀ still runs on it), so a row's first block with a visible key is never dropped
+        and no row loses every key. The forward records the dropped blocks and the backward skips
+        exactly those: the gradients are exact for the function computed. Kernels of any tile shape
+        or walk order drop the same pairs. Error against exact attention (threshold ``None``): each
+        dropped pair has exact probability below ``softmax_threshold / n_i``, the dropped pairs of a
+        row hold exact probability ``m < t / (1 + t)`` (``t = softmax_threshold · d_i / n_i``,
+        ``d_i`` its dropped visible keys), lse is lower by ``-log(1 - m) < log(1 + t)`` and each
+        output coordinate moves by at most ``m · (max_j v_jd - min_j v_jd)`` over the row's visible
+        keys. The CPU kernels take it, and the CUDA kernels on Hopper GPUs (sm_90a builds) at head
+        dims 64 and 128, without a gate, segment ids, key ranges, row ranges, block indices or a
+        window table, with a mask and bias the Hopper forward reads by TMA (not broadcast over keys;
+        a bias with Lk a multiple of 8); other GPU calls run the reference (with a warning;
+        implementation='cuda' raises).
 
     Returns:
       ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key

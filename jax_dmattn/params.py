@@ -13,10 +13,11 @@ IMPLEMENTATIONS = ("cuda", "cpu", "xla")
 # GATE_BLOCK_Q query rows × GATE_BLOCK_K keys from position 0, per (batch, query head).
 GATE_BLOCK_Q = 128
 GATE_BLOCK_K = 128
-# Softmax-threshold tile skipping decides on the same grid (csrc/common/params.h: kSkipBlockQ,
-# kSkipBlockK).
-SKIP_BLOCK_Q = GATE_BLOCK_Q
-SKIP_BLOCK_K = GATE_BLOCK_K
+# Softmax-threshold tile skipping decides on a grid of its own (csrc/common/params.h: kSkipBlockQ,
+# kSkipBlockK): 64 query rows, one consumer warpgroup's rows in the Hopper kernels, so that each
+# warpgroup decides alone.
+SKIP_BLOCK_Q = 64
+SKIP_BLOCK_K = 128
 # A paged KV cache's page size is a power of two, at least this (csrc/common/params.h:
 # kMinPageSize): every kernel's key tile then lies in one page.
 MIN_PAGE_SIZE = 64
@@ -54,7 +55,7 @@ class AttentionParams:
     pairs of every ``GATE_BLOCK_Q × GATE_BLOCK_K`` block (from position 0, per batch entry and
     query head) whose gate is below it at every pair are hidden too (see :func:`gate_cut`).
 
-    With ``softmax_threshold`` (> 0) the ``SKIP_BLOCK_Q × SKIP_BLOCK_K`` blocks of the same grid
+    With ``softmax_threshold`` (> 0) the ``SKIP_BLOCK_Q × SKIP_BLOCK_K`` blocks (from position 0)
     whose scores are all negligible against the row's running log-sum-exp are dropped in a fixed
     order (see ``reference.softmax_skip_blocks``); the forward returns which (the drop map) and
     the backward skips exactly those.

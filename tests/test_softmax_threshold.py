@@ -1,6 +1,6 @@
 """Softmax-threshold tile skipping (``softmax_threshold``, issue 27 item 1) on the CPU kernels.
 
-The rule (flash_dmattn's docstring, reference.softmax_skip_blocks): on the fixed grid of 128 x 128
+The rule (flash_dmattn's docstring, reference.softmax_skip_blocks): on the fixed grid of 64 x 128
 blocks from position 0, each block of rows visits its key blocks in increasing order and drops a
 block when every visible score of every row there is below the row's log-sum-exp over the blocks
 kept before it plus ``log(threshold / n_i)``. The forward records the dropped blocks, the
@@ -27,6 +27,7 @@ from form_checks import (
     lower_for_cuda,
     outputs_and_grads,
     qkv,
+    require_cuda_kernel,
     to64,
 )
 from jax.sharding import Mesh, NamedSharding
@@ -63,7 +64,7 @@ def runner(implementation, threshold, mask=None, **kw):
 
 
 def kernel_drop_map(params, q, k, v, mask=None, bias=None):
-    """The CPU kernel forward's drop map."""
+    """The kernel forward's drop map (the CPU kernels', or on a GPU the CUDA kernels')."""
     return np.asarray(jax.jit(lambda q, k, v, mask, bias: ops.forward(
         params, q, k, v, mask, bias)[2])(q, k, v, mask, bias))
 
@@ -228,8 +229,8 @@ def test_sharp_keys_drop_most_blocks_within_the_bound():
                             implementation="cpu")
     params = AttentionParams(scale=32 ** -0.5, window_right=0, softmax_threshold=t)
     drops = kernel_drop_map(params, q, k, v)
-    nb = seqlen // SKIP_BLOCK_Q
-    visible_blocks = np.tril(np.ones((nb, nb), bool))
+    last_rows = np.arange(seqlen // SKIP_BLOCK_Q)[:, None] * SKIP_BLOCK_Q + SKIP_BLOCK_Q - 1
+    visible_blocks = np.arange(seqlen // SKIP_BLOCK_K) * SKIP_BLOCK_K <= last_rows  # causal
     assert not drops[..., ~visible_blocks].any()
     assert drops[..., visible_blocks].mean() >= 0.7, drops[..., visible_blocks].mean()
     assert not drops[..., 0].any()  # every row's first block
@@ -356,7 +357,7 @@ def test_sharded_over_batch_and_heads(kv_heads, seq):
 
 
 def test_ffi_operands_and_attributes(monkeypatch):
-    """The forward returns the uint8 drop map [B, H, ceil(Lq / 128), ceil(Lk / 128)] after out
+    """The forward returns the uint8 drop map [B, H, ceil(Lq / 64), ceil(Lk / 128)] after out
     and lse, the backward takes it as its last operand, and both carry softmax_threshold as a
     float64 attribute (0 without). build_info reports it."""
     assert _ffi.build_info()["softmax_threshold"] is True
@@ -371,7 +372,7 @@ def test_ffi_operands_and_attributes(monkeypatch):
     jax.jit(jax.grad(loss)).lower(q)
     (t1, _, fwd), (t2, bwd_ops, bwd) = calls
     assert (t1, t2) == (_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET)
-    assert bwd_ops[-1] == ((2, 4, 2, 3), np.uint8)
+    assert bwd_ops[-1] == ((2, 4, 4, 3), np.uint8)
     for attrs in (fwd, bwd):
         assert attrs["softmax_threshold"] == np.float64(0.25)
         assert attrs["softmax_threshold"].dtype == np.float64
@@ -408,33 +409,124 @@ def test_traced_threshold_refused():
                                        implementation="cpu"))(0.5)
 
 
-# ---- the GPU: the reference, with a warning ---------------------------------------------------
+# ---- the GPU: the Hopper kernels, else the reference with a warning ----------------------------
 
 
-def test_cuda_refuses_a_threshold(monkeypatch):
-    """On a GPU with kernels for the call, a call with a threshold goes to the reference: None
-    warns once naming the reason, implementation="cuda" raises, the CPU kernels take it."""
-    fake_cuda_build(monkeypatch, [16, 128])
-    params = AttentionParams(scale=0.1)
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
-    assert_cuda_refuses(AttentionParams(scale=0.1, softmax_threshold=0.5),
-                        "do not take softmax_threshold")
+def test_cuda_takes_a_threshold_on_hopper_kernels_only(monkeypatch):
+    """With a fake sm_90a build on an sm_90 GPU the CUDA kernels take a threshold at head dims 64
+    and 128; other head dims, another GPU, a window table and the gate go to the reference (None
+    warns once naming the reason, implementation="cuda" raises, the CPU kernels take it)."""
+    fake_cuda_build(monkeypatch, [16, 64, 128])
+    params = AttentionParams(scale=0.1, softmax_threshold=0.5)
+    for head_dim in (64, 128):
+        assert ops.uses_kernel("cuda", params, jnp.bfloat16, head_dim)
+    with pytest.warns(RuntimeWarning, match="at head dims 64 and 128, not 16"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 16)
+    gated = ops.Optionals.of(None, None, None, alpha=jnp.zeros(1))
+    with pytest.warns(RuntimeWarning, match="with a gate"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, gated)
+    assert_cuda_refuses(AttentionParams(scale=0.1, softmax_threshold=0.5,
+                                        window_sizes=((0, 8, 0),)),
+                        "with a window table")
+    fake_cuda_build(monkeypatch, [16, 64, 128], cuda_archs="80")
+    monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "8.0")
+    assert_cuda_refuses(params, "runs on the Hopper kernels only")
 
 
 def test_cuda_lowering(monkeypatch):
-    """Lowered for a GPU with a fake CUDA build: a call with a threshold makes no FFI call
-    (None warns and lowers the reference, forward and backward, "cuda" raises); without it the
-    same call uses the CUDA kernels."""
+    """Lowered for a GPU with a fake CUDA build: a call with a threshold at head dim 64 calls
+    the CUDA forward (which returns the drop map) and backward (which takes it), with None and
+    "cuda" alike and no warning; at head dim 16 it makes no FFI call (None warns and lowers the
+    reference, forward and backward, "cuda" raises)."""
     calls = record_ffi_calls(monkeypatch)
-    fake_cuda_build(monkeypatch, [16, 128])
+    fake_cuda_build(monkeypatch, [16, 64])
     rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, 2, 200, 300, 4, 2, 64, jnp.bfloat16)
+    for implementation in (None, "cuda"):
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lower_for_cuda(q, k, v, is_causal=True, softmax_threshold=0.5,
+                           implementation=implementation)
+        (t1, _, fwd), (t2, bwd_ops, bwd) = calls
+        assert (t1, t2) == (_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET)
+        assert fwd["softmax_threshold"] == bwd["softmax_threshold"] == 0.5
+        assert ((2, 4, 4, 3), np.uint8) in bwd_ops  # the forward's drop map
+    calls.clear()
     q, k, v = qkv(rng, 2, 24, 32, 4, 2, 16, jnp.bfloat16)
-    with pytest.warns(RuntimeWarning, match="do not take softmax_threshold"):
+    with pytest.warns(RuntimeWarning, match="at head dims 64 and 128"):
         lower_for_cuda(q, k, v, is_causal=True, softmax_threshold=0.5)
     assert calls == []
-    with pytest.raises(ValueError, match="do not take softmax_threshold"):
+    with pytest.raises(ValueError, match="at head dims 64 and 128"):
         lower_for_cuda(q, k, v, softmax_threshold=0.5, implementation="cuda")
+
+
+# ---- on the GPU: the Hopper kernels ---------------------------------------------------------
+
+# (name, B, Lq, Lk, H, Hk, D, dtype, causal, mask, bias ("row": [B, H, 1, Lk], "full":
+# [B, H, Lq, Lk]), softcap, deterministic, threshold)
+GPU_CASES = [
+    ("causal", 2, 1000, 1000, 4, 2, 128, jnp.bfloat16, True, False, None, None, False, 0.5),
+    ("gqa-mask-rowbias", 2, 300, 424, 4, 2, 64, jnp.bfloat16, False, True, "row", None, False,
+     1.0),
+    ("lq>lk-causal-fullbias", 1, 400, 264, 4, 1, 128, jnp.float16, True, False, "full", None,
+     False, 0.2),
+    ("lq<lk-causal-mask-softcap", 2, 200, 450, 4, 2, 64, jnp.bfloat16, True, True, None, 30.0,
+     False, 2.0),
+    ("irregular-mask-fullbias", 1, 17, 520, 2, 1, 128, jnp.bfloat16, True, True, "full", None,
+     False, 0.5),
+    ("deterministic-mask", 1, 330, 520, 4, 2, 128, jnp.bfloat16, True, True, None, None, True,
+     0.5),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_cuda_matches_reference_rule(case):
+    """The CUDA kernels (implementation="cuda": no fallback) give the float64 reference's drop
+    map, out, lse and every gradient (dbias included), and drop blocks here."""
+    (_, batch, lq, lk, heads, kv_heads, dim, dtype, causal, with_mask, bias_kind, softcap,
+     deterministic, t) = case
+    require_cuda_kernel(dim, dtype)
+    rng = np.random.default_rng(lq * lk + dim)
+    q, k, v = sharp_qkv(rng, batch, lq, lk, heads, kv_heads, dim, dtype,
+                        sharp=(0, 1, 2, lk // 2))
+    mask = jnp.asarray(rng.random((batch, 1, lq, lk)) < 0.85) if with_mask else None
+    bias = None
+    if bias_kind is not None:
+        rows = 1 if bias_kind == "row" else lq
+        bias = jnp.asarray(rng.standard_normal((batch, heads, rows, lk)), dtype)
+    kw = dict(is_causal=causal, softcap=softcap, deterministic=deterministic)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lower_for_cuda(q, k, v, is_causal=True, implementation="cuda")
-    assert {t for t, *_ in calls} == {_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET}
+        got = outputs_and_grads(runner("cuda", t, mask, **kw), q, k, v, bias)
+    want = outputs_and_grads(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v),
+                             to64(bias))
+    assert_close(got[0], want[0], dtype, "out")
+    assert_close(got[1], want[1], jnp.float32, "lse")
+    for name, g, w in zip("q k v bias".split(), got[2], want[2], strict=False):
+        assert g.dtype == dtype
+        assert_close(g, w, dtype, f"d{name}")
+
+    params = AttentionParams(scale=dim ** -0.5, softcap=softcap or 0.0,
+                             diagonal_offset=lk - lq if causal else 0,
+                             window_right=0 if causal else -1, softmax_threshold=t)
+    drops = kernel_drop_map(params, q, k, v, mask, bias)
+    _, _, ref_drops = reference.attention(params, to64(q), to64(k), to64(v), mask, to64(bias),
+                                          return_drop_map=True)
+    np.testing.assert_array_equal(drops, ref_drops)
+    assert drops.any()
+
+
+@pytest.mark.gpu
+def test_cuda_deterministic_gradients_repeat():
+    """deterministic=True with a threshold: bitwise the same gradients over repeats."""
+    require_cuda_kernel(128, jnp.bfloat16)
+    rng = np.random.default_rng(9)
+    q, k, v = sharp_qkv(rng, 1, 700, 700, 4, 2, 128, jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: outputs_and_grads(
+        runner("cuda", 0.5, None, is_causal=True, deterministic=True), q, k, v, None))
+    first = jax.tree.leaves(fn(q, k, v))
+    for _ in range(3):
+        for g, w in zip(jax.tree.leaves(fn(q, k, v)), first, strict=True):
+            np.testing.assert_array_equal(g, w)

@@ -35,9 +35,12 @@ constexpr int64_t MaskBitsRowBytes(int64_t cols) { return (cols + 127) / 128 * 1
 // blocks, so results never depend on a kernel's tiles.
 constexpr int64_t kGateBlockQ = 128;
 constexpr int64_t kGateBlockK = 128;
-// Softmax-threshold tile skipping (AttentionShape::softmax_threshold) decides on the same grid.
-constexpr int64_t kSkipBlockQ = kGateBlockQ;
-constexpr int64_t kSkipBlockK = kGateBlockK;
+// Softmax-threshold tile skipping (AttentionShape::softmax_threshold) decides on a grid of its
+// own: blocks of 64 query rows (one consumer warpgroup's rows in the Hopper forward, which then
+// decides alone) × 128 keys from position 0. Mirrored by jax_dmattn/params.py (SKIP_BLOCK_Q,
+// SKIP_BLOCK_K).
+constexpr int64_t kSkipBlockQ = 64;
+constexpr int64_t kSkipBlockK = 128;
 // A paged KV cache's page size is a power of two, at least this (KvPages): every kernel's key
 // tile (at most this many keys, starting at a multiple of it) then lies in one page.
 constexpr int64_t kMinPageSize = 64;

@@ -43,6 +43,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/drop_map.cuh"
 #include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
@@ -517,13 +518,15 @@ __device__ __forceinline__ void bwd_main(const BwdParams& p) {
         return 0;
       }
     }();
+    const DropFilter<false> drops(p.drop_map, s, b, h, n0 / static_cast<int>(kSkipBlockK));
     auto next_block = [&](int m, int* flags) {
-      int next = walk.next(m, flags);
+      auto visible = [&](int i, int* f) { return walk.next(i, f); };
+      int next = visible(m, flags);
       if constexpr (kGated) {  // past the grid blocks the gate threshold drops
-        next = gate_filter.template next_kept<BM>(
-            next, m_last + 1, [&](int i, int* f) { return walk.next(i, f); }, flags);
+        next = gate_filter.template next_kept<BM>(next, m_last + 1, visible, flags);
       }
-      return next;
+      // past the blocks softmax-threshold skipping dropped in the forward
+      return drops.next_kept<BM>(next, m_last + 1, visible, flags);
     };
 
     // First active query block; its mask tile (unless all true) loads with its other tiles, and

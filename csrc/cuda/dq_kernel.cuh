@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/drop_map.cuh"
 #include "cuda/gate.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
@@ -208,12 +209,14 @@ __global__ void __launch_bounds__(Tr::kNT) dq_kernel(const __grid_constant__ DqP
       return 0;
     }
   }();
+  const DropFilter<true> drops(p.drop_map, s, b, h, m0 / static_cast<int>(kSkipBlockQ));
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
     if constexpr (kGated) {  // past the grid blocks the gate threshold drops
       next = gate_filter.template next_kept<BN>(next, n_lo - 1, next_visible, flags);
     }
-    return next;
+    // past the blocks softmax-threshold skipping dropped in the forward
+    return drops.next_kept<BN>(next, n_lo - 1, next_visible, flags);
   };
   int flags;  // of block n
   int n = next_block(n_hi - 1, &flags);

@@ -160,6 +160,9 @@ struct FwdParams {
   const float* alpha;
   const float* delta;
   GateBounds gate_bounds;
+  // Softmax-threshold skipping's drop map (AttentionShape::drop_map_offset), or null: written by
+  // the Hopper threshold kernels (sm90/fwd_threshold.cuh) over zeros.
+  uint8_t* drop_map;
 };
 
 // dbias handling in the backward.
@@ -243,6 +246,8 @@ struct BwdParams {
   float* dalpha;
   float* ddelta;
   GateBounds gate_bounds;
+  // The forward's drop map (softmax-threshold skipping), or null: its blocks are skipped.
+  const uint8_t* drop_map;
 };
 
 }  // namespace dmattn::cuda

@@ -279,7 +279,9 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
          !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
-                          !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f));
+                          !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f)) &&
+         (s.softmax_threshold == 0.0 || (s.head_dim <= 128 && !s.has_gate && !s.has_segments &&
+                                         s.head_windows == nullptr));
 }
 
 bool DecodeTakes(const AttentionShape& s) {
@@ -292,6 +294,7 @@ const char* ForwardKernelName(const AttentionShape& shape) {
   if (DecodeTakes(shape)) return "decode";
   const int64_t splits = ForwardSplits(shape);
   if (HopperForwardTakes(shape, splits)) return "hopper";
+  if (shape.softmax_threshold > 0.0) return "none";  // only the Hopper kernels apply the rule
   return splits > 1 ? "flash2_split" : "flash2";
 }
 
@@ -355,6 +358,7 @@ cudaError_t CheckShape(const AttentionShape& s) {
 // the best count's, among counts that shorten the longest split.
 int64_t ForwardSplits(const AttentionShape& s) {
   if (DecodeTakes(s)) return DecodeSplits(s);
+  if (s.softmax_threshold > 0.0) return 1;  // the rule walks each row's keys in one pass
   const int64_t ctas = QueryBlocks(s);
   const int64_t key_blocks = CeilDiv(s.seqlen_k, ForwardTileOf(s).bn);
   const int64_t slots = ForwardSlots();
@@ -444,6 +448,8 @@ cudaError_t Forward(const AttentionShape& shape, const ForwardArgs& args, cudaSt
   p.alpha = shape.has_gate ? args.alpha : nullptr;
   p.delta = shape.has_gate ? args.delta : nullptr;
   if (shape.has_gate && (p.alpha == nullptr || p.delta == nullptr)) return cudaErrorInvalidValue;
+  p.drop_map = shape.softmax_threshold > 0.0 ? args.drop_map : nullptr;
+  if (shape.softmax_threshold > 0.0 && p.drop_map == nullptr) return cudaErrorInvalidValue;
   p.out = args.out;
   p.out_f32 = args.out_f32;
   p.lse = args.lse;
@@ -552,6 +558,8 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
     }
   }
   p.softmax_d = args.softmax_d;
+  p.drop_map = shape.softmax_threshold > 0.0 ? args.drop_map : nullptr;
+  if (shape.softmax_threshold > 0.0 && p.drop_map == nullptr) return cudaErrorInvalidValue;
   p.mask = shape.mask.present ? reinterpret_cast<const uint8_t*>(args.mask) : nullptr;
   p.bias = shape.bias.present ? args.bias : nullptr;
   p.q_lens = shape.has_seqlens ? args.q_lens : nullptr;
@@ -613,9 +621,9 @@ cudaError_t Backward(const AttentionShape& shape, const BackwardArgs& args, cuda
       p.dbias_mode = kDbiasDirect;
       const bool full_rows = p.dbias_op.row_stride != 0 && !shape.has_seqlens;
       // The fill pass knows the tiles that the band and the mask skip, not those the index
-      // masks or the gate threshold drop.
+      // masks, the gate threshold or the softmax threshold drop.
       p.dbias_fill = full_rows && !shape.has_segments && !shape.has_mask_forms() &&
-                     !shape.has_gate_threshold();
+                     !shape.has_gate_threshold() && shape.softmax_threshold == 0.0;
       p.dbias_staged = full_rows && p.dbias_op.row_stride % 8 == 0 &&
                        shape.seqlen_k % 8 == 0 && Aligned(p.dbias, 16);
     }

@@ -283,6 +283,17 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
 #endif
+  if (params.drop_map != nullptr) {  // softmax-threshold skipping: only the Hopper kernels
+    if constexpr (sm90::FwdConfig<D>::kAvailable && D <= 128) {
+      if (sm90::Takes(params)) {
+        using Config = sm90::FwdConfig<D>;
+        return params.mask != nullptr || params.bias != nullptr
+                   ? sm90::RunForward<typename Config::ThresholdOperandTraits, T>(params, stream)
+                   : sm90::RunForward<typename Config::ThresholdTraits, T>(params, stream);
+      }
+    }
+    return cudaErrorNotSupported;
+  }
   if constexpr (HasDecodeForward(D)) {
     if (DecodeTakes(params.s)) return RunDecode<D, T>(params, stream);
   }

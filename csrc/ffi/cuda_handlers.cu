@@ -29,10 +29,10 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                           std::to_string(kMaxWindowHeads) + " kv heads, not " +
                           std::to_string(shape.num_kv_heads));
   }
-  if (shape.softmax_threshold > 0.0) {
+  if (shape.softmax_threshold > 0.0 && std::string(cuda::ForwardKernelName(shape)) != "hopper") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: the CUDA kernels do not take softmax_threshold (tile "
-                      "skipping) yet (issue 27)");
+                      "jax_dmattn: softmax_threshold (tile skipping) runs on the Hopper forward "
+                      "only (sm_90a, head dims 64 and 128, no gate, segment ids or window table)");
   }
   if (shape.pages.present() && std::string(cuda::ForwardKernelName(shape)) != "decode") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

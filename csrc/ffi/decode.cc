@@ -367,7 +367,7 @@ ffi::Error ExpectDropMap(ffi::AnyBuffer x, const AttentionShape& s) {
             dims[r + 2] == s.skip_cols();
   for (int d = 0; ok && d < r; ++d) ok = dims[d] == s.batch.sizes[d];
   return ok ? ffi::Error::Success()
-            : Invalid("drop_map must be uint8 [*batch, H, ceil(Lq / 128), ceil(Lk / 128)] with "
+            : Invalid("drop_map must be uint8 [*batch, H, ceil(Lq / 64), ceil(Lk / 128)] with "
                       "the query's batch dims, got " + DimsString(dims));
 }
 

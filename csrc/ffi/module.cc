@@ -253,11 +253,12 @@ std::string CudaForwardKernel(std::vector<int64_t> q, std::vector<int64_t> k, Op
                               OptionalDims key_ranges, OptionalDims row_ranges,
                               OptionalDims block_indices, int64_t block_q, int64_t block_k,
                               OptionalDims alpha, OptionalDims delta, double gate_cut,
-                              float softcap) {
+                              float softcap, double softmax_threshold) {
   const IndexMaskDims index_masks{q_segments, kv_segments, key_ranges, row_ranges, block_indices,
                                   block_q,    block_k,     alpha,      delta,      gate_cut};
   dmattn::AttentionShape shape = ForwardShape(q, k, mask, bias, index_masks);
   shape.softcap = softcap;
+  shape.softmax_threshold = softmax_threshold;
   return dmattn::cuda::ForwardKernelName(shape);
 }
 
@@ -316,9 +317,9 @@ NB_MODULE(_dmattn, m) {
         "key_ranges"_a.none() = nb::none(), "row_ranges"_a.none() = nb::none(),
         "block_indices"_a.none() = nb::none(), "block_q"_a = 0, "block_k"_a = 0,
         "alpha"_a.none() = nb::none(), "delta"_a.none() = nb::none(), "gate_cut"_a = -INFINITY,
-        "softcap"_a = 0.f,
+        "softcap"_a = 0.f, "softmax_threshold"_a = 0.0,
         "The CUDA forward kernel for these shapes on the current device: 'decode', 'hopper', "
-        "'flash2' or 'flash2_split'.");
+        "'flash2' or 'flash2_split', or 'none' (a softmax threshold that no kernel takes).");
   m.def("cuda_set_forward_kernel", &CudaSetForwardKernel, "name"_a,
         "'auto' (the dispatcher's choice) or 'flash2' (the FlashAttention-2-class forward "
         "everywhere), for the whole process: side-by-side measurements and tests.");

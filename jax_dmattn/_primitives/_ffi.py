@@ -353,7 +353,8 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
                         block_q: int = 0, block_k: int = 0,
                         gate: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                         gate_threshold: float | None = None,
-                        softcap: float | None = None) -> str:
+                        softcap: float | None = None,
+                        softmax_threshold: float | None = None) -> str:
     """The CUDA forward kernel that a call with these shapes (q ``[B, Lq, H, D]``, k ``[B, Lk, Hk,
     D]``, mask and bias ``[B|1, H|Hk|1, Lq|1, Lk|1]`` or None) runs on the current device:
     ``"decode"`` (at most 16 query rows: the query heads of a kv head share one tile),
@@ -365,7 +366,8 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
     mask forms run the FlashAttention-2-class forward); the gate by the shapes of alpha ``[B, Lq,
     H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at D = 256 or with a mask,
-    bias, segment ids, window table or softcap run the FlashAttention-2-class forward)."""
+    bias, segment ids, window table or softcap run the FlashAttention-2-class forward); with a
+    softmax threshold, ``"hopper"`` or ``"none"`` (no kernel applies it)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
     alpha, delta = gate if gate is not None else (None, None)
@@ -374,7 +376,8 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
         q_segments=dims(q_segments), kv_segments=dims(kv_segments), key_ranges=dims(key_ranges),
         row_ranges=dims(row_ranges), block_indices=dims(block_indices), block_q=block_q,
         block_k=block_k, alpha=dims(alpha), delta=dims(delta),
-        gate_cut=gate_cut(gate_threshold), softcap=float(softcap or 0.0)))
+        gate_cut=gate_cut(gate_threshold), softcap=float(softcap or 0.0),
+        softmax_threshold=float(softmax_threshold or 0.0)))
 
 
 def cuda_set_forward_kernel(name: str) -> None:

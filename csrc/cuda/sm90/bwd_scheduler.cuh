@@ -15,6 +15,7 @@
 
 #include "cuda/block_map.cuh"
 #include "cuda/bwd_kernel.cuh"
+#include "cuda/drop_map.cuh"
 #include "cuda/gate.cuh"
 #include "cuda/segments.cuh"
 #include "cuda/sm90/bwd_traits.cuh"
@@ -132,7 +133,8 @@ __device__ __forceinline__ auto gate_filter(const BwdParams& p, const BwdCtaWork
 }
 
 // f(block) for every query block of the CTA, in order, but those the mask hides entirely and
-// those the gate threshold drops (the scheduler's walk, a warp-wide call).
+// those the gate threshold or the softmax threshold drops (the scheduler's walk, a warp-wide
+// call).
 template <typename Tr, typename F>
 __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const BwdCtaWork& w,
                                                      F&& f) {
@@ -147,14 +149,15 @@ __device__ __forceinline__ void for_each_query_block(const BwdParams& p, const B
     query_blocks_of<Tr>(w, w.n0, blk.lens, &m_first, &m_last);
     detail::TileWalk<1, QueryFlags<Tr>> walk(QueryFlags<Tr>::may_hide(p),
                                              QueryFlags<Tr>(p, blk.b, blk.h, w.n0), m_last + 1);
+    const detail::DropFilter<false> drops(p.drop_map, p.s, blk.b, blk.h,
+                                          w.n0 / static_cast<int>(kSkipBlockK));
     auto next_block = [&, gate = gate_filter<Tr>(p, w, blk)](int m) mutable {
       auto visible = [&](int i, int* flags) { return walk.next(i, flags); };
-      const int next = visible(m, &blk.tile_flags);
+      int next = visible(m, &blk.tile_flags);
       if constexpr (Tr::kGate) {
-        return gate.template next_kept<Tr::BM>(next, m_last + 1, visible, &blk.tile_flags);
-      } else {
-        return next;
+        next = gate.template next_kept<Tr::BM>(next, m_last + 1, visible, &blk.tile_flags);
       }
+      return drops.next_kept<Tr::BM>(next, m_last + 1, visible, &blk.tile_flags);
     };
 #pragma unroll 1
     for (int m = next_block(m_first); m <= m_last; m = next_block(m + 1)) {
@@ -173,8 +176,11 @@ __device__ __forceinline__ bool next_key_block_sees(const BwdParams& p, const Bw
   const int n0 = w.n0 + Tr::BN;
   query_blocks_of<Tr>(w, n0, blk.lens, &m_first, &m_last);
   const int m = blk.m0 / Tr::BM;
+  const detail::DropFilter<false> drops(p.drop_map, p.s, blk.b, blk.h,
+                                        n0 / static_cast<int>(kSkipBlockK));
   return m_first <= m && m <= m_last &&
-         (tile_flags<Tr>(p, blk.b, blk.h, blk.m0, n0) & detail::kTileAny);
+         (tile_flags<Tr>(p, blk.b, blk.h, blk.m0, n0) & detail::kTileAny) &&
+         drops.keeps<Tr::BM>(m);
 }
 
 // The block as the other roles need it: the consumers' rows, lengths, lse / D shift and mask,

@@ -1,5 +1,5 @@
 // Consumer main loop of the Hopper forward: one warpgroup, 64 query rows of the tile, walks the
-// tile's visible key blocks from the last to the first.
+// tile's visible key blocks from the last to the first (threshold kernels: the first to the last).
 //
 //   S(n) = Q K(n)^T          wgmma, both operands in shared memory
 //   O   += P(n+1) V(n+1)     wgmma, P from registers: issued right after S(n), so the softmax
@@ -8,6 +8,8 @@
 //         hide a key, online softmax -> P(n)
 //   O   *= the rescale factor of S(n)'s new row maxima, once P V is done (with a mask or bias
 //         skipped by a warp none of whose rows' maxima grew)
+//   threshold kernels: S(n) dropped before its softmax where the rule says so (fwd_threshold.cuh);
+//         the next S GEMM then goes alone, with no P V beside it
 //
 // The consumer warpgroups take turns at issuing their two GEMMs (named barriers kTurnBarrier):
 // one warpgroup's softmax runs under the other's GEMMs. Ring slots are released to the producer
@@ -15,7 +17,7 @@
 // producer does (block_map.cuh), so all agree on the blocks without a word between them.
 #pragma once
 
-#include "cuda/sm90/fwd_scores.cuh"
+#include "cuda/sm90/fwd_threshold.cuh"
 
 namespace dmattn::cuda::sm90 {
 
@@ -146,6 +148,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   float corr[2];
 
   const GateRows gate = gate_rows<Tr>(P, w, th);
+  const auto threshold = threshold_rows<Tr>(P, w, th);
   mbar_wait(bar.q_full(), q_parity);
   int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
   if constexpr (kWarpgroupKeys<Tr>) {
@@ -155,6 +158,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     const detail::BlockRange mine =
         rule.sink > 0 ? w.keys
                       : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
+    static_assert(Tr::kKeyStep < 0, "warpgroups' own blocks in a walk down the keys");
     first = max(first, mine.lo);
     for (; n >= first && n >= mine.hi; n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);
@@ -182,43 +186,68 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   pack_probabilities<T>(pf, s);
   RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
   ring.advance();
+  // Whether P waits for its P V: always, but in threshold kernels after a dropped block.
+  bool pending = true;
 
-  for (n = walk.next(n - 1, &flags); n >= first; n = walk.next(n - 1, &flags)) {
+  auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
+  for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
+    const bool pv_now = !Tr::kThreshold || pending;
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
-    mbar_wait(bar.v_full(pv.slot), pv.parity);
-    issue_output<Tr, T>(o, pf, v_at(pv.slot));
+    if (pv_now) {
+      mbar_wait(bar.v_full(pv.slot), pv.parity);
+      issue_output<Tr, T>(o, pf, v_at(pv.slot));
+    }
     pass_turn<kC>(th.wg);
 
-    detail::wgmma_wait<1>();  // S(n)
+    if (pv_now) {
+      detail::wgmma_wait<1>();  // S(n)
+    } else {
+      detail::wgmma_wait<0>();
+    }
     detail::fence_operands(s);
     th.release(bar.k_empty(ring.slot));
     finish_scores<Tr, T>(s, P, smem, bar, operands, w, th, n, flags, ring, gate);
+    const bool folds = threshold.folds(s, st, p.softmax_mul, n, th);
     // Kernels with a mask or bias are bound by the consumers' instructions: once the maxima
     // settle, most blocks skip the rescale. The others hide it under the GEMMs, and its test
     // costs them 1-2 % (H200).
-    const bool grew = online_softmax<Tr::kOperands, kSoftmaxChains<Tr>>(
-        s, st, corr, p.softmax_mul, probability_weights<Tr>(smem, ring, gate, th));
+    const bool grew = folds && online_softmax<Tr::kOperands, kSoftmaxChains<Tr>>(
+                                   s, st, corr, p.softmax_mul,
+                                   probability_weights<Tr>(smem, ring, gate, th));
 
-    detail::wgmma_wait<0>();  // P V
-    detail::fence_operands(o);
-    th.release(bar.v_empty(pv.slot));
+    if (pv_now) {
+      detail::wgmma_wait<0>();  // P V
+      detail::fence_operands(o);
+      th.release(bar.v_empty(pv.slot));
+    }
     if (grew) rescale(o, corr);
-    pack_probabilities<T>(pf, s);
-    pv = ring;
+    if (folds) {
+      pack_probabilities<T>(pf, s);
+      pv = ring;
+    } else {  // dropped: its V is released unread
+      mbar_wait(bar.v_full(ring.slot), ring.parity);
+      th.release(bar.v_empty(ring.slot));
+    }
+    pending = folds;
     ring.advance();
   }
 
   // Every S GEMM of the tile is done: the next tile's Q may load while the last P V runs.
   if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
-  mbar_wait(bar.v_full(pv.slot), pv.parity);
-  take_turn<kC>(th.wg);
-  issue_output<Tr, T>(o, pf, v_at(pv.slot));
-  pass_turn<kC>(th.wg);
-  detail::wgmma_wait<0>();
-  detail::fence_operands(o);
-  th.release(bar.v_empty(pv.slot));
+  if (!Tr::kThreshold || pending) {
+    mbar_wait(bar.v_full(pv.slot), pv.parity);
+    take_turn<kC>(th.wg);
+    issue_output<Tr, T>(o, pf, v_at(pv.slot));
+    pass_turn<kC>(th.wg);
+    detail::wgmma_wait<0>();
+    detail::fence_operands(o);
+    th.release(bar.v_empty(pv.slot));
+  } else {  // the turn of a P V with nothing to multiply
+    take_turn<kC>(th.wg);
+    pass_turn<kC>(th.wg);
+  }
   if constexpr (kWarpgroupKeys<Tr>) {
     for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
-    bool busy = first >= w.keys.lo;  // else no key is visible: zeros and lse -inf
+    bool busy = walk.holds(first);  // else no key is visible: zeros and lse -inf
     if (busy) {
       busy = consume_tile<Tr, T>(P, w, walk, first, flags, smem, bar, ring, operands, q_parity,
                                  th, o, st);

@@ -16,7 +16,10 @@ namespace dmattn::cuda::sm90 {
 // the mask ring only, calls with segment ids kernels that read them (D <= 128 all), calls with a
 // window table kernels that read it (with a mask or bias, D <= 128), gated calls (D <= 128,
 // without a mask, bias, segment ids or window table) kernels with the gate and two consumer
-// warpgroups (128 query rows: the tiles nest in the gate threshold's grid).
+// warpgroups (128 query rows: the tiles nest in the gate threshold's grid), calls with a softmax
+// threshold (D <= 128, without the gate, segment ids or a window table) kernels that apply it,
+// with two consumer warpgroups (each a block of the rule's grid) and the operand rings where
+// there is a mask or bias.
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
@@ -31,6 +34,9 @@ struct FwdConfig {
   using OperandTableTraits = FwdTraits<D, 128, kConsumers, true, 0, 0, false, true, true>;
   using GateTraits =
       FwdTraits<D, D <= 128 ? 128 : 64, 2, false, 0, 0, false, false, false, true>;
+  using ThresholdTraits = FwdTraits<D, 128, 2, false, 0, 0, false, false, false, false, true>;
+  using ThresholdOperandTraits =
+      FwdTraits<D, 128, 2, true, 0, 0, false, true, false, false, true>;
 };
 
 // Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch
@@ -148,6 +154,14 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
     if (cudaError_t e3 = cudaMemsetAsync(P.order.counter, 0, sizeof(int), stream);
         e3 != cudaSuccess) {
       return e3;
+    }
+  }
+  if constexpr (Tr::kThreshold) {
+    if (params.drop_map == nullptr) return cudaErrorInvalidValue;
+    const int64_t drop_bytes = B * s.num_heads * s.skip_rows() * s.skip_cols();
+    if (cudaError_t e4 = cudaMemsetAsync(params.drop_map, 0, drop_bytes, stream);
+        e4 != cudaSuccess) {
+      return e4;
     }
   }
   const int64_t sms = MultiProcessors();

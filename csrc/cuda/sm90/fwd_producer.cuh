@@ -1,9 +1,9 @@
 // Producers of the Hopper forward. One warp walks every tile the CTA runs and its lane 0 issues
 // the TMA loads: Q once per tile, then for each visible key block with a visible mask element
-// (last to first; the mask block map names them, block_map.cuh) K and V, each into its ring
-// slot once the consumers have released it. It draws the tiles and hands them to the consumers
-// (fwd_scheduler.cuh), running ahead across tiles: the next tile's Q and first blocks load while
-// the consumers finish the current one. The bias and mask tiles of a block (the mask's only where
+// (last to first, or first to last in threshold kernels; the mask block map names them,
+// block_map.cuh) K and V, each into its ring slot once the consumers have released it. It draws
+// the tiles and hands them to the consumers (fwd_scheduler.cuh), running ahead across tiles: the
+// next tile's Q and first blocks load while the consumers finish the current one. The bias and mask tiles of a block (the mask's only where
 // the block is not all true) go to rings of their own: in calls with a bias a second warp takes
 // the tiles from the same queue and, walking the same blocks, issues them (one warp of 24
 // registers issuing every load was the slower side of the pipeline once a bias streamed from
@@ -129,7 +129,7 @@ __device__ __forceinline__ void produce_tile(const FwdParamsSm90& P, uint8_t* sm
     }
   };
   const bool operands_here = Tr::kOperands && !has_operand_warp<Tr>(P);
-  for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+  for (; walk.holds(n); n = walk.after(n, &flags)) {
     const int slot = ring.slot;
     load_rows(Tr::kOffK + slot * Tr::kKVBytes, &P.k_tma, bar.k_full(slot), bar.k_empty(slot), n);
     if (operands_here) load_operands<Tr>(P, smem, bar, w, n, flags, operands, leader);
@@ -164,7 +164,7 @@ __device__ __forceinline__ void produce(const FwdParamsSm90& P, uint8_t* smem,
     KeyWalk<Tr> walk(P, w);
     int flags;
     const int first = walk.first_block(w, &flags);
-    if (first >= w.keys.lo) {
+    if (walk.holds(first)) {
       produce_tile<Tr>(P, smem, bar, w, walk, first, flags, ring, operands, q_parity, leader);
       q_parity ^= 1;
     }
@@ -192,7 +192,7 @@ __device__ __forceinline__ void produce_operands(const FwdParamsSm90& P, uint8_t
     const TileWork& w = tile.work;
     KeyWalk<Tr> walk(P, w);
     int flags;
-    for (int n = walk.first_block(w, &flags); n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
+    for (int n = walk.first_block(w, &flags); walk.holds(n); n = walk.after(n, &flags)) {
       load_operands<Tr>(P, smem, bar, w, n, flags, rings, lane == 0);
     }
   }

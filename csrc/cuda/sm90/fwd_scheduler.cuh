@@ -118,10 +118,11 @@ struct GatePass {
 };
 
 // The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
-// visible (all of them without either), from the last to the first (block_map.cuh), stepping
-// over the gap below a window table's band (kTable); warp-wide.
-// first_block(): the first of them, keys.lo - 1 when there is none (the tile then has no
-// work). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
+// visible (all of them without either), from the last to the first (block_map.cuh; threshold
+// kernels from the first to the last: Tr::kKeyStep), stepping over the gap below a window
+// table's band (kTable); warp-wide.
+// first_block(): the first of them; after(n): the one after n; holds(n): whether n is one of
+// them (else the walk is over). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
 // in their main loop). Gated kernels pass over the blocks of the gate threshold's grid that it
 // drops (gate.cuh: GateFilter; every block is kept without a threshold).
 template <typename Tr>
@@ -130,13 +131,22 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   using Flags = std::conditional_t<Tr::kSegments,
                                    detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>, MaskFlags>;
   using Gate = std::conditional_t<Tr::kGate, GatePass, NoGatePass>;
-  detail::TileWalk<-1, Flags> walk;
+  static constexpr int kStep = Tr::kKeyStep;
+  static_assert(kStep < 0 || (!Tr::kGate && !Tr::kTable), "the gate's and the gap's walks go down");
+  detail::TileWalk<kStep, Flags> walk;
   detail::KeyGap gap;
+  detail::BlockRange keys;
   __device__ __forceinline__ KeyWalk(const FwdParamsSm90& P, const TileWork& w)
-      : Gate(gate_of(P, w)), walk(make(P, w)), gap(gap_of(P, w)) {}
+      : Gate(gate_of(P, w)), walk(make(P, w)), gap(gap_of(P, w)), keys(w.keys) {}
   __device__ __forceinline__ int first_block(const TileWork& w, int* flags) {
-    return w.empty() ? w.keys.lo - 1 : next(w.keys.hi - 1, flags);
+    if (w.empty()) return end();
+    return next(kStep < 0 ? keys.hi - 1 : keys.lo, flags);
   }
+  __device__ __forceinline__ int after(int n, int* flags) { return next(n + kStep, flags); }
+  __device__ __forceinline__ bool holds(int n) const {
+    return kStep < 0 ? n >= keys.lo : n < keys.hi;
+  }
+  __device__ __forceinline__ int end() const { return kStep < 0 ? keys.lo - 1 : keys.hi; }
   __device__ __forceinline__ int next(int n, int* flags) {
     n = visible(n, flags);
     if constexpr (Tr::kGate) {
@@ -179,17 +189,18 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
       return {};
     }
   }
-  static __device__ __forceinline__ detail::TileWalk<-1, Flags> make(const FwdParamsSm90& P,
-                                                                    const TileWork& w) {
+  static __device__ __forceinline__ detail::TileWalk<kStep, Flags> make(const FwdParamsSm90& P,
+                                                                       const TileWork& w) {
     const FwdParams& p = P.p;
     const bool has_mask = Tr::kOperands && p.mask != nullptr;
     const MaskFlags mask{detail::MaskMapView(p.mask_map, P.mask_tiles.index(w.mask)), w.m0};
+    const int end = kStep < 0 ? w.keys.lo - 1 : w.keys.hi;
     if constexpr (Tr::kSegments) {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, w.b);
-      return detail::TileWalk<-1, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},
-                                         w.keys.lo - 1);
+      return detail::TileWalk<kStep, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},
+                                            end);
     } else {
-      return detail::TileWalk<-1, Flags>(has_mask, mask, w.keys.lo - 1);
+      return detail::TileWalk<kStep, Flags>(has_mask, mask, end);
     }
   }
 };

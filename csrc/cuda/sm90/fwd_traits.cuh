@@ -26,15 +26,20 @@ constexpr uint32_t kQueuedTileBytes = 64;
 // kGate: the gate (gate.cuh; kernels of their own, without the operand rings, segment ids or
 // window tables): each key block's delta rides with its V tile, and the walks pass over the
 // blocks of the gate threshold's grid that it drops (the tiles nest in the grid's blocks).
+// kThreshold: softmax-threshold skipping (fwd_threshold.cuh; kernels of their own, without the
+// gate, segment ids or window tables): the walks go up the key blocks, as the rule visits them,
+// and each consumer warpgroup decides on its 64 rows' blocks of the rule's grid.
 // kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
 // default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
           int kConsumerRegs_ = 0, bool kSegments_ = false, bool kBias_ = kOperands_,
-          bool kTable_ = false, bool kGate_ = false>
+          bool kTable_ = false, bool kGate_ = false, bool kThreshold_ = false>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_, kSegments = kSegments_, kTable = kTable_;
-  static constexpr bool kGate = kGate_;
+  static constexpr bool kGate = kGate_, kThreshold = kThreshold_;
+  // The direction of the key walks: down from the last block, or up with a threshold.
+  static constexpr int kKeyStep = kThreshold ? 1 : -1;
   static constexpr bool kBias = kOperands && kBias_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
@@ -112,6 +117,10 @@ struct FwdTraits {
                 "gated tiles nest in the gate threshold's grid");
   static_assert(!kGate || (!kOperands && !kSegments && !kTable),
                 "gated kernels read no mask, bias, segment ids or window table");
+  static_assert(!kThreshold || (!kGate && !kSegments && !kTable && kConsumers == 2 &&
+                                BN == kSkipBlockK && 64 == kSkipBlockQ),
+                "threshold kernels: a warpgroup's 64 rows and a key block are one block of the "
+                "rule's grid; no gate, segment ids, window table or third consumer");
   // A slot's V is full once its TMA bytes (the producer's arrival) and, in gated kernels, its
   // delta (an arrival of each producer lane once its cp.async has landed) are in.
   static constexpr int kVFullArrivals = kGate ? 1 + 32 : 1;
@@ -161,9 +170,10 @@ struct OperandRings {
   RingPos<Tr::kMaskStages> mask;
 };
 
-// Named barrier ids (0 is __syncthreads'): the consumers' turns at issuing wgmmas, and each
-// consumer warpgroup's epilogue.
+// Named barrier ids (0 is __syncthreads'): the consumers' turns at issuing wgmmas, each consumer
+// warpgroup's epilogue and its threshold votes.
 constexpr int kTurnBarrier = 1;       // + consumer index
 constexpr int kEpilogueBarrier = 4;   // + consumer index
+constexpr int kVoteBarrier = 7;       // + consumer index (fwd_threshold.cuh)
 
 }  // namespace dmattn::cuda::sm90

@@ -106,6 +106,18 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether `pred` holds for any of the `threads` threads meeting at named barrier `id` (a
+// barrier of theirs, like named_sync).
+__device__ __forceinline__ bool named_any(int id, int threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return any != 0;
+}
 
 // Turns between CTAs through a flag in global memory, taken by one thread each. wait_turn returns
 // once the flag holds `value`; the caller's bulk operations after it see the memory the passing
