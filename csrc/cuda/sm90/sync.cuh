@@ -116,7 +116,9 @@ __device__ __forceinline__ bool named_any(int id, int threads, bool pred) {
       : "=r"(any)
       : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
       : "memory");
-  return any != 0;
+  // From lane 0: the compiler then knows the result warp-uniform (wgmma under a branch it cannot
+  // prove uniform is serialised).
+  return __shfl_sync(0xffffffffu, any, 0) != 0;
 }
 
 // Turns between CTAs through a flag in global memory, taken by one thread each. wait_turn returns
