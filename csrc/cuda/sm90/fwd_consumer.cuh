@@ -184,14 +184,15 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   online_softmax<false, kSoftmaxChains<Tr>>(s, st, corr, p.softmax_mul,
                                             probability_weights<Tr>(smem, ring, gate, th));
   pack_probabilities<T>(pf, s);
-  RingPos<Tr::kStages> pv = ring;  // the slot of the V that P multiplies
+  // The previous block's V slot: P V multiplies it, or (threshold kernels, after a dropped
+  // block: `live` false) it is released unread, as late as P V would have read it.
+  RingPos<Tr::kStages> pv = ring;
   ring.advance();
-  // Whether P waits for its P V: always, but in threshold kernels after a dropped block.
-  bool pending = true;
+  bool live = true;
 
   auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
   for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
-    const bool pv_now = !Tr::kThreshold || pending;
+    const bool pv_now = !Tr::kThreshold || live;
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
@@ -204,6 +205,8 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     if (pv_now) {
       detail::wgmma_wait<1>();  // S(n)
     } else {
+      mbar_wait(bar.v_full(pv.slot), pv.parity);
+      th.release(bar.v_empty(pv.slot));
       detail::wgmma_wait<0>();
     }
     detail::fence_operands(s);
@@ -223,31 +226,25 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
       th.release(bar.v_empty(pv.slot));
     }
     if (grew) rescale(o, corr);
-    if (folds) {
-      pack_probabilities<T>(pf, s);
-      pv = ring;
-    } else {  // dropped: its V is released unread
-      mbar_wait(bar.v_full(ring.slot), ring.parity);
-      th.release(bar.v_empty(ring.slot));
-    }
-    pending = folds;
+    if (folds) pack_probabilities<T>(pf, s);
+    live = folds;
+    pv = ring;
     ring.advance();
   }
 
   // Every S GEMM of the tile is done: the next tile's Q may load while the last P V runs.
   if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
-  if (!Tr::kThreshold || pending) {
-    mbar_wait(bar.v_full(pv.slot), pv.parity);
-    take_turn<kC>(th.wg);
+  mbar_wait(bar.v_full(pv.slot), pv.parity);
+  take_turn<kC>(th.wg);
+  if (!Tr::kThreshold || live) {
     issue_output<Tr, T>(o, pf, v_at(pv.slot));
     pass_turn<kC>(th.wg);
     detail::wgmma_wait<0>();
     detail::fence_operands(o);
-    th.release(bar.v_empty(pv.slot));
   } else {  // the turn of a P V with nothing to multiply
-    take_turn<kC>(th.wg);
     pass_turn<kC>(th.wg);
   }
+  th.release(bar.v_empty(pv.slot));
   if constexpr (kWarpgroupKeys<Tr>) {
     for (; n >= w.keys.lo; n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);

@@ -3,8 +3,8 @@
 // of the rule's grid, and the walks go up the key blocks as the rule visits them, so each
 // warpgroup decides alone, right after S(n) is scored: the block is kept when some row's
 // maximum there reaches the row's running log-sum-exp plus log(threshold / n_i). A dropped
-// block's S is discarded (no softmax, no P V: its V slot is released unread) and its byte of the
-// drop map set; the map is zeroed by the launcher.
+// block's S is discarded (no softmax, no P V: its V slot is released unread where P V would have
+// read it) and its byte of the drop map set; the map is zeroed by the launcher.
 #pragma once
 
 #include <cmath>
@@ -38,11 +38,13 @@ struct ThresholdRows {
     bool keep = false, seen = false;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
+      float part[4];  // four chains: the decision is on the warpgroup's critical path
 #pragma unroll
       for (int t = 0; t < N / 4; ++t) {
-        mx = fmaxf(mx, fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]));
+        const float pair = fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]);
+        part[t % 4] = t < 4 ? pair : fmaxf(part[t % 4], pair);
       }
+      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       float l = st.l[half];
 #pragma unroll
       for (int lanes = 1; lanes <= 2; lanes *= 2) {
