@@ -17,6 +17,8 @@
 // producer does (block_map.cuh), so all agree on the blocks without a word between them.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/sm90/fwd_threshold.cuh"
 
 namespace dmattn::cuda::sm90 {
@@ -190,19 +192,23 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   ring.advance();
   bool live = true;
 
-  auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
-  for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
-    const bool pv_now = !Tr::kThreshold || live;
+  // Key block n: S(n) = Q K^T with the previous block's P V beside it (has_pv; threshold kernels:
+  // none after a dropped block), then S(n)'s scores and softmax. Each kind of step is code of its
+  // own: ptxas serialises every wgmma of a kernel where accumulators may be read while a wgmma
+  // that writes them can still run, which it cannot rule out across branches on `live` (warnings
+  // C7514 / C7517).
+  auto step = [&](auto has_pv) {
+    constexpr bool kPv = decltype(has_pv)::value;
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
-    if (pv_now) {
+    if constexpr (kPv) {
       mbar_wait(bar.v_full(pv.slot), pv.parity);
       issue_output<Tr, T>(o, pf, v_at(pv.slot));
     }
     pass_turn<kC>(th.wg);
 
-    if (pv_now) {
+    if constexpr (kPv) {
       detail::wgmma_wait<1>();  // S(n)
     } else {
       mbar_wait(bar.v_full(pv.slot), pv.parity);
@@ -220,7 +226,7 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
                                    s, st, corr, p.softmax_mul,
                                    probability_weights<Tr>(smem, ring, gate, th));
 
-    if (pv_now) {
+    if constexpr (kPv) {
       detail::wgmma_wait<0>();  // P V
       detail::fence_operands(o);
       th.release(bar.v_empty(pv.slot));
@@ -230,6 +236,14 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     live = folds;
     pv = ring;
     ring.advance();
+  };
+  auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
+  for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
+    if (!Tr::kThreshold || live) {
+      step(std::true_type{});
+    } else {
+      step(std::false_type{});
+    }
   }
 
   // Every S GEMM of the tile is done: the next tile's Q may load while the last P V runs.
