@@ -549,7 +549,7 @@ def test_cuda_lowering_reads_every_combination(monkeypatch):
     operands += mask_summaries(2, 1, 24, 32)
     assert_cuda_lowering_reads(calls, q, k, v, tuple(members[kind] for kind in KINDS), operands,
                                gate=gate, has_gate=True, **{flags[kind]: True for kind in KINDS})
-    with pytest.raises(ValueError, match="do not take softmax_threshold"):
+    with pytest.raises(ValueError, match="take softmax_threshold"):  # head dim 16, the forms
         lower_for_cuda(q, k, v, (dense, keys, rows, block), implementation="cuda",
                        softmax_threshold=0.5)
 

@@ -414,8 +414,9 @@ def test_traced_threshold_refused():
 
 def test_cuda_takes_a_threshold_on_hopper_kernels_only(monkeypatch):
     """With a fake sm_90a build on an sm_90 GPU the CUDA kernels take a threshold at head dims 64
-    and 128; other head dims, another GPU, a window table and the gate go to the reference (None
-    warns once naming the reason, implementation="cuda" raises, the CPU kernels take it)."""
+    and 128; other head dims, another GPU, a window table, the gate, the O(L) mask forms and a
+    mask or bias the Hopper forward cannot read go to the reference (None warns once naming the
+    reason, implementation="cuda" raises, the CPU kernels take it)."""
     fake_cuda_build(monkeypatch, [16, 64, 128])
     params = AttentionParams(scale=0.1, softmax_threshold=0.5)
     for head_dim in (64, 128):
@@ -425,6 +426,17 @@ def test_cuda_takes_a_threshold_on_hopper_kernels_only(monkeypatch):
     gated = ops.Optionals.of(None, None, None, alpha=jnp.zeros(1))
     with pytest.warns(RuntimeWarning, match="with a gate"):
         assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, gated)
+    ranged = ops.Optionals.of(None, None, None, key_start=jnp.zeros(1))
+    with pytest.warns(RuntimeWarning, match="with key ranges, row ranges or block indices"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, ranged)
+    over_keys = ops.OperandLayout(300, bias=(1, 4, 200, 1))
+    with pytest.warns(RuntimeWarning, match="broadcast over keys"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None, over_keys)
+    with pytest.warns(RuntimeWarning, match="not a multiple of 8"):
+        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None,
+                                   ops.OperandLayout(300, bias=(1, 4, 200, 300)))
+    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None,
+                           ops.OperandLayout(304, mask=(1, 1, 200, 304), bias=(1, 4, 1, 304)))
     assert_cuda_refuses(AttentionParams(scale=0.1, softmax_threshold=0.5,
                                         window_sizes=((0, 8, 0),)),
                         "with a window table")
