@@ -92,6 +92,35 @@ def numpy_rule(s, visible, counts, threshold):
     return dropped
 
 
+def assert_matches_rule(implementation, t, q, k, v, mask, bias, causal, softcap=None, **kw):
+    """out, lse and every gradient of `implementation` (no fallback warning) equal the float64
+    reference applying the same rule; its drop map equals the reference's and drops blocks.
+    Returns the drop map."""
+    dtype, dim = q.dtype, q.shape[-1]
+    lq, lk = q.shape[-3], k.shape[-3]
+    kw = dict(is_causal=causal, softcap=softcap, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = outputs_and_grads(runner(implementation, t, mask, **kw), q, k, v, bias)
+    want = outputs_and_grads(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v),
+                             to64(bias))
+    assert_close(got[0], want[0], dtype, "out")
+    assert_close(got[1], want[1], jnp.float32, "lse")
+    for name, g, w in zip("q k v bias".split(), got[2], want[2], strict=False):
+        assert g.dtype == dtype
+        assert_close(g, w, dtype, f"d{name}")
+
+    params = AttentionParams(scale=dim ** -0.5, softcap=softcap or 0.0,
+                             diagonal_offset=lk - lq if causal else 0,
+                             window_right=0 if causal else -1, softmax_threshold=t)
+    drops = kernel_drop_map(params, q, k, v, mask, bias)
+    _, _, ref_drops = reference.attention(params, to64(q), to64(k), to64(v), mask, to64(bias),
+                                          return_drop_map=True)
+    np.testing.assert_array_equal(drops, ref_drops)
+    assert drops.any()
+    return drops
+
+
 # ---- exact when off ---------------------------------------------------------------------------
 
 
@@ -144,26 +173,8 @@ def test_matches_reference_rule(case):
     q, k, v = sharp_qkv(rng, 2, lq, lk, heads, kv_heads, dim, dtype, sharp=(0, 1, 2, lk // 2))
     mask = jnp.asarray(rng.random((2, 1, lq, lk)) < 0.85) if with_mask else None
     bias = (jnp.asarray(rng.standard_normal((2, heads, 1, lk)), dtype) if with_bias else None)
-    kw = dict(is_causal=causal, softcap=softcap)
-    got = outputs_and_grads(runner("cpu", t, mask, **kw), q, k, v, bias)
-    want = outputs_and_grads(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v),
-                             to64(bias))
-    assert_close(got[0], want[0], dtype, "out")
-    assert_close(got[1], want[1], jnp.float32, "lse")
-    for name, g, w in zip("q k v bias".split(), got[2], want[2], strict=False):
-        assert g.dtype == dtype
-        assert_close(g, w, dtype, f"d{name}")
-
-    # The drop maps: kernel, reference, numpy.
-    params = AttentionParams(scale=dim ** -0.5, softcap=softcap or 0.0,
-                             diagonal_offset=lk - lq if causal else 0,
-                             window_right=0 if causal else -1, softmax_threshold=t)
-    drops = kernel_drop_map(params, q, k, v, mask, bias)
-    _, _, ref_drops = reference.attention(params, to64(q), to64(k), to64(v), mask, to64(bias),
-                                          return_drop_map=True)
-    np.testing.assert_array_equal(drops, ref_drops)
-    assert drops.any()
-    # numpy, for batch 0 / head 0
+    drops = assert_matches_rule("cpu", t, q, k, v, mask, bias, causal, softcap)
+    # The rule written in numpy, for batch 0 / head 0
     s = (np.asarray(q, np.float64)[0, :, 0] @ np.asarray(k, np.float64)[0, :, 0].T) * dim ** -0.5
     if bias is not None:
         s = s + np.asarray(bias, np.float64)[0, 0]
@@ -508,26 +519,8 @@ def test_cuda_matches_reference_rule(case):
     if bias_kind is not None:
         rows = 1 if bias_kind == "row" else lq
         bias = jnp.asarray(rng.standard_normal((batch, heads, rows, lk)), dtype)
-    kw = dict(is_causal=causal, softcap=softcap, deterministic=deterministic)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = outputs_and_grads(runner("cuda", t, mask, **kw), q, k, v, bias)
-    want = outputs_and_grads(runner("xla", t, mask, **kw), to64(q), to64(k), to64(v),
-                             to64(bias))
-    assert_close(got[0], want[0], dtype, "out")
-    assert_close(got[1], want[1], jnp.float32, "lse")
-    for name, g, w in zip("q k v bias".split(), got[2], want[2], strict=False):
-        assert g.dtype == dtype
-        assert_close(g, w, dtype, f"d{name}")
-
-    params = AttentionParams(scale=dim ** -0.5, softcap=softcap or 0.0,
-                             diagonal_offset=lk - lq if causal else 0,
-                             window_right=0 if causal else -1, softmax_threshold=t)
-    drops = kernel_drop_map(params, q, k, v, mask, bias)
-    _, _, ref_drops = reference.attention(params, to64(q), to64(k), to64(v), mask, to64(bias),
-                                          return_drop_map=True)
-    np.testing.assert_array_equal(drops, ref_drops)
-    assert drops.any()
+    assert_matches_rule("cuda", t, q, k, v, mask, bias, causal, softcap,
+                        deterministic=deterministic)
 
 
 @pytest.mark.gpu
