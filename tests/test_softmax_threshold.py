@@ -423,11 +423,11 @@ def test_traced_threshold_refused():
 # ---- the GPU: the Hopper kernels, else the reference with a warning ----------------------------
 
 
-def test_cuda_takes_a_threshold_on_hopper_kernels_only(monkeypatch):
-    """With a fake sm_90a build on an sm_90 GPU the CUDA kernels take a threshold at head dims 64
-    and 128; other head dims, another GPU, a window table, the gate, the O(L) mask forms and a
-    mask or bias the Hopper forward cannot read go to the reference (None warns once naming the
-    reason, implementation="cuda" raises, the CPU kernels take it)."""
+def test_cuda_takes_a_threshold(monkeypatch):
+    """With a fake CUDA build the CUDA kernels take a threshold at head dims 64 and 128, on an
+    sm_90 GPU and an sm_80 one alike; other head dims, a window table, the gate and the O(L)
+    mask forms go to the reference (None warns once naming the reason, implementation="cuda"
+    raises, the CPU kernels take it)."""
     fake_cuda_build(monkeypatch, [16, 64, 128])
     params = AttentionParams(scale=0.1, softmax_threshold=0.5)
     for head_dim in (64, 128):
@@ -440,20 +440,12 @@ def test_cuda_takes_a_threshold_on_hopper_kernels_only(monkeypatch):
     ranged = ops.Optionals.of(None, None, None, key_start=jnp.zeros(1))
     with pytest.warns(RuntimeWarning, match="with key ranges, row ranges or block indices"):
         assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, ranged)
-    over_keys = ops.OperandLayout(300, bias=(1, 4, 200, 1))
-    with pytest.warns(RuntimeWarning, match="broadcast over keys"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None, over_keys)
-    with pytest.warns(RuntimeWarning, match="not a multiple of 8"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None,
-                                   ops.OperandLayout(300, bias=(1, 4, 200, 300)))
-    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128, None,
-                           ops.OperandLayout(304, mask=(1, 1, 200, 304), bias=(1, 4, 1, 304)))
     assert_cuda_refuses(AttentionParams(scale=0.1, softmax_threshold=0.5,
                                         window_sizes=((0, 8, 0),)),
                         "with a window table")
     fake_cuda_build(monkeypatch, [16, 64, 128], cuda_archs="80")
     monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "8.0")
-    assert_cuda_refuses(params, "runs on the Hopper kernels only")
+    assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
 
 
 def test_cuda_lowering(monkeypatch):
@@ -500,17 +492,36 @@ GPU_CASES = [
      False, 0.5),
     ("deterministic-mask", 1, 330, 520, 4, 2, 128, jnp.bfloat16, True, True, None, None, True,
      0.5),
+    ("odd-lk-fullbias", 1, 130, 301, 2, 1, 64, jnp.bfloat16, True, False, "full", None, False,
+     0.5),
 ]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["auto", "flash2"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_cuda_matches_reference_rule(case):
-    """The CUDA kernels (implementation="cuda": no fallback) give the float64 reference's drop
-    map, out, lse and every gradient (dbias included), and drop blocks here."""
+def test_cuda_matches_reference_rule(case, forward):
+    """The CUDA kernels (implementation="cuda": no fallback; the forward the dispatcher picks, a
+    Hopper one where it takes the call, or the FlashAttention-2-class one) give the float64
+    reference's drop map, out, lse and every gradient (dbias included), and drop blocks here."""
+    _, batch, lq, lk, heads, kv_heads, dim, dtype, *_, t = case
+    require_cuda_kernel(dim, dtype)
+    _ffi.cuda_set_forward_kernel(forward)
+    jax.clear_caches()
+    try:
+        if forward == "flash2":
+            assert _ffi.cuda_forward_kernel((batch, lq, heads, dim), (batch, lk, kv_heads, dim),
+                                            softmax_threshold=t) == "flash2"
+        check_cuda_case(case)
+    finally:
+        _ffi.cuda_set_forward_kernel("auto")
+        jax.clear_caches()
+
+
+def check_cuda_case(case):
+    """One GPU_CASES case against the float64 reference applying the rule."""
     (_, batch, lq, lk, heads, kv_heads, dim, dtype, causal, with_mask, bias_kind, softcap,
      deterministic, t) = case
-    require_cuda_kernel(dim, dtype)
     rng = np.random.default_rng(lq * lk + dim)
     q, k, v = sharp_qkv(rng, batch, lq, lk, heads, kv_heads, dim, dtype,
                         sharp=(0, 1, 2, lk // 2))

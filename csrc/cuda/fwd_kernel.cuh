@@ -2,7 +2,8 @@
 // A (batch, head)'s query blocks start from the last one (the most keys under causality), or in
 // the order of block_order.cuh (most non-empty tiles first) when the mask varies over both axes.
 //
-// Per key block n (walked from the last visible block down to the first):
+// Per key block n (walked from the last visible block down to the first; up from the first in
+// the softmax-threshold kernels, kThreshold):
 //   S = bias / scale + Q K^T            (accumulator initialised from the bias tile)
 //   softcap, then -inf where not visible (mask, lengths, diagonal window)
 //   online softmax in fp32 with exp2, O += P V
@@ -16,7 +17,11 @@
 // each score (index_masks.cuh). With a window table (kTable) the range is the kv head's band
 // and its sink's blocks, the walk stepping over the gap between them. Gated calls (gate.cuh) run
 // kernels of their own (kGatedForms, the forms' code too): the scores gain the gate's term with
-// the bias, and the walk passes over the grid blocks the gate threshold drops.
+// the bias, and the walk passes over the grid blocks the gate threshold drops. The
+// softmax-threshold kernels (kThreshold: a 64 x 128 tile, one block of the rule's grid; no index
+// masks or window table) walk up the key blocks as the rule visits them and, once S(n) is scored,
+// vote over the CTA (threshold.cuh): a dropped block gets no softmax and no P V, and its byte of
+// the drop map is set over the launcher's zeros.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -31,6 +36,7 @@
 #include "cuda/kernel_utils.cuh"
 #include "cuda/index_masks.cuh"
 #include "cuda/sm90.cuh"
+#include "cuda/threshold.cuh"
 
 namespace dmattn::cuda {
 
@@ -179,12 +185,15 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 }  // namespace detail
 
 // kIndex: the index masks compiled (IndexKind, index_masks.cuh); kTable: a window table
-// (AttentionShape::head_windows).
+// (AttentionShape::head_windows); kThreshold: softmax-threshold skipping.
 // Kernels of their own (PickRules in launch_template.cuh), so that the others compile none of
 // their code.
-template <typename Tr, typename T, int kIndex, bool kTable>
+template <typename Tr, typename T, int kIndex, bool kTable, bool kThreshold = false>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
+  static_assert(!kThreshold || (kIndex == kNoIndex && !kTable && Tr::BM == kSkipBlockQ &&
+                                Tr::BN == kSkipBlockK && Tr::MT == 1),
+                "a threshold tile is one block of the rule's grid, its warps' rows one MMA tile");
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
   constexpr int NTS = Tr::NTS, NTO = Tr::NTO;
@@ -290,6 +299,8 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     if constexpr (kIndexed) {
       return indexed_key_block_walk<BM, BN>(map, has_mask, m0, n_lo,
                                             IndexMasks<kIndex>(p, b, form_entries));
+    } else if constexpr (kThreshold) {
+      return TileWalk<1, KeyTileFlags<BM, BN>>(has_mask, {map, m0}, n_hi);
     } else {
       return key_block_walk<BM, BN>(map, has_mask, m0, n_lo);
     }
@@ -338,8 +349,11 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   load_tile_async<BM, D, NT>(sQ, qg, q_rs, valid_q, tid);
   cp_async_commit();
   int flags;  // of block n
-  int n = next_block(n_hi - 1, &flags);
-  if (n >= n_lo) load_block(n, flags);
+  // The walk's direction: down the key blocks, or up in the threshold kernels.
+  constexpr int kStep = kThreshold ? 1 : -1;
+  auto in_walk = [&](int t) { return kThreshold ? t < n_hi : t >= n_lo; };
+  int n = next_block(kThreshold ? n_lo : n_hi - 1, &flags);
+  if (in_walk(n)) load_block(n, flags);
 
   float o[MT][NTO][4];
 #pragma unroll
@@ -367,8 +381,33 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
   }
 
+  // Softmax-threshold skipping: whether block n is folded in (kept, or without a visible score:
+  // nothing to fold, not recorded), by a vote of the CTA's threads; a dropped block's byte of the
+  // drop map is set.
+  float log2_ratio[2] = {};
+  if constexpr (kThreshold) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      log2_ratio[half] = threshold_log2_ratio(static_cast<float>(s.softmax_threshold),
+                                              m0 + warp_row0 + g + 8 * half, L, band);
+    }
+  }
+  auto threshold_folds = [&](float (&scores)[MT][NTS][4], const float (&m)[2 * MT],
+                             const float (&l)[2 * MT], int block) {
+    if constexpr (kThreshold) {
+      const RowVerdict v = row_verdict(flat(scores), m, l, log2_ratio, p.softmax_mul);
+      if (cta_any(v.keep)) return true;
+      if (cta_any(v.seen) && tid == 0) {
+        p.drop_map[s.drop_map_offset(b, h) + m_block * s.skip_cols() + block] = 1;
+      }
+      return false;
+    } else {
+      return true;
+    }
+  };
+
   // ---- main loop over visible, non-empty key blocks ----------------------------------------
-  while (n >= n_lo) {
+  while (in_walk(n)) {
     const int n0 = n * BN;
     cp_async_wait<0>();
     operands_visible<Tr>();  // K, bias, mask of block n (and Q)
@@ -468,15 +507,17 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
 
     int next_flags;
-    const int next = next_block(n - 1, &next_flags);
+    const int next = next_block(n + kStep, &next_flags);
     cp_async_wait<0>();
     operands_visible<Tr>();  // V(n); K, bias and mask buffers free
-    if (next >= n_lo) load_block(next, next_flags);
+    if (in_walk(next)) load_block(next, next_flags);
 
-    online_softmax<MT, NTS, NTO>(sc, row_m, row_l, o, p.softmax_mul);
+    if (!kThreshold || threshold_folds(sc, row_m, row_l, n)) {
+      online_softmax<MT, NTS, NTO>(sc, row_m, row_l, o, p.softmax_mul);
 
-    // O += P V
-    output_gemm<Tr>(o, sc, sV, lane);
+      // O += P V
+      output_gemm<Tr>(o, sc, sV, lane);
+    }
 
     flags = next_flags;
     n = next;

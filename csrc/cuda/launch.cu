@@ -280,8 +280,12 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
                           !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f)) &&
-         (s.softmax_threshold == 0.0 || (s.head_dim <= 128 && !s.has_gate && !s.has_segments &&
-                                         s.head_windows == nullptr));
+         (s.softmax_threshold == 0.0 || ThresholdTakes(s));
+}
+
+bool ThresholdTakes(const AttentionShape& s) {
+  return (s.head_dim == 64 || s.head_dim == 128) && !s.has_gate && !s.has_segments &&
+         !s.has_mask_forms() && s.head_windows == nullptr;
 }
 
 bool DecodeTakes(const AttentionShape& s) {
@@ -291,10 +295,10 @@ bool DecodeTakes(const AttentionShape& s) {
 }
 
 const char* ForwardKernelName(const AttentionShape& shape) {
+  if (shape.softmax_threshold > 0.0 && !ThresholdTakes(shape)) return "none";
   if (DecodeTakes(shape)) return "decode";
   const int64_t splits = ForwardSplits(shape);
   if (HopperForwardTakes(shape, splits)) return "hopper";
-  if (shape.softmax_threshold > 0.0) return "none";  // only the Hopper kernels apply the rule
   return splits > 1 ? "flash2_split" : "flash2";
 }
 

@@ -87,6 +87,11 @@ constexpr bool HasHopperForward(int64_t head_dim) {
 // True when, on a Hopper GPU of an sm_90a build, the dispatcher runs the Hopper forward for a
 // call of this shape that splits its keys `num_splits` ways (its pointers allowing TMA).
 bool HopperForwardTakes(const AttentionShape& shape, int64_t num_splits);
+// True when a CUDA forward applies the call's softmax threshold (AttentionShape::
+// softmax_threshold): head dims 64 and 128, without the gate, segment ids, the O(L) mask forms
+// or a window table; the Hopper kernels where they take the call, else the FlashAttention-2-class
+// ones (any GPU, any mask and bias layout).
+bool ThresholdTakes(const AttentionShape& shape);
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory (past 48 KB it must ask).
 template <typename Kernel>

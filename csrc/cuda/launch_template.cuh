@@ -202,8 +202,9 @@ cudaError_t CombineSplits(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// kFormsOnly: the call has O(L) mask forms (BlockTraits' tiles compile only their kernels).
-template <typename Tr, typename T, bool kFormsOnly = false>
+// kFormsOnly: the call has O(L) mask forms (BlockTraits' tiles compile only their kernels);
+// kThreshold: softmax-threshold skipping (its kernel alone; the drop map zeroed first).
+template <typename Tr, typename T, bool kFormsOnly = false, bool kThreshold = false>
 cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   p.m_blocks = static_cast<int>((p.s.seqlen_q + Tr::BM - 1) / Tr::BM);
@@ -219,6 +220,14 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
         kFormsOnly && decltype(i)::value < kFormsAndIds ? kFormsAndIds : decltype(i)::value;
     return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
   });
+  if constexpr (kThreshold) {  // ThresholdTakes: no index masks, no window table
+    kernel = fwd_kernel<Tr, T, kNoIndex, false, true>;
+    const AttentionShape& s = p.s;
+    const int64_t drop_bytes = s.batch_count() * s.num_heads * s.skip_rows() * s.skip_cols();
+    if (cudaError_t e = cudaMemsetAsync(p.drop_map, 0, drop_bytes, stream); e != cudaSuccess) {
+      return e;
+    }
+  }
   const int prefix = IndexPrefixSmem(index);
   if (cudaError_t e = PrepareSmem(kernel, prefix + Tr::kSmem); e != cudaSuccess) return e;
   // The bias and mask tiles come last: without them the CTA needs less (more CTAs per SM).
@@ -283,14 +292,20 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
 #if defined(DMATTN_CUDA_TUNING)
   if (const int v = TuningVariant(); v > 0) return RunForwardVariant<D, T>(v, params, stream);
 #endif
-  if (params.drop_map != nullptr) {  // softmax-threshold skipping: only the Hopper kernels
-    if constexpr (sm90::FwdConfig<D>::kAvailable && D <= 128) {
-      if (sm90::Takes(params)) {
-        using Config = sm90::FwdConfig<D>;
-        return params.mask != nullptr || params.bias != nullptr
-                   ? sm90::RunForward<typename Config::ThresholdOperandTraits, T>(params, stream)
-                   : sm90::RunForward<typename Config::ThresholdTraits, T>(params, stream);
+  if (params.drop_map != nullptr) {  // softmax-threshold skipping (ThresholdTakes: D 64, 128)
+    if constexpr (D == 64 || D == 128) {
+      if constexpr (sm90::FwdConfig<D>::kAvailable) {
+        if (sm90::Takes(params)) {
+          using Config = sm90::FwdConfig<D>;
+          const cudaError_t e =
+              params.mask != nullptr || params.bias != nullptr
+                  ? sm90::RunForward<typename Config::ThresholdOperandTraits, T>(params, stream)
+                  : sm90::RunForward<typename Config::ThresholdTraits, T>(params, stream);
+          if (e != cudaErrorNotSupported) return e;  // else a tensor map failed: run the other
+        }
       }
+      using Tile = FwdTraits<D, kSkipBlockQ, kSkipBlockK, 4>;
+      return RunForwardTiles<Tile, T, false, true>(params, stream);
     }
     return cudaErrorNotSupported;
   }

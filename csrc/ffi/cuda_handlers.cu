@@ -29,10 +29,11 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
                           std::to_string(kMaxWindowHeads) + " kv heads, not " +
                           std::to_string(shape.num_kv_heads));
   }
-  if (shape.softmax_threshold > 0.0 && std::string(cuda::ForwardKernelName(shape)) != "hopper") {
+  if (shape.softmax_threshold > 0.0 && std::string(cuda::ForwardKernelName(shape)) == "none") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_dmattn: softmax_threshold (tile skipping) runs on the Hopper forward "
-                      "only (sm_90a, head dims 64 and 128, no gate, segment ids or window table)");
+                      "jax_dmattn: the CUDA kernels take softmax_threshold (tile skipping) at "
+                      "head dims 64 and 128, without a gate, segment ids, key ranges, row ranges, "
+                      "block indices or a window table");
   }
   if (shape.pages.present() && std::string(cuda::ForwardKernelName(shape)) != "decode") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

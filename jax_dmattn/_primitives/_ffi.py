@@ -367,7 +367,7 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     mask forms run the FlashAttention-2-class forward); the gate by the shapes of alpha ``[B, Lq,
     H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at D = 256 or with a mask,
     bias, segment ids, window table or softcap run the FlashAttention-2-class forward); with a
-    softmax threshold, ``"hopper"`` or ``"none"`` (no kernel applies it)."""
+    softmax threshold, ``"hopper"``, ``"flash2"`` or ``"none"`` (no kernel applies it)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
     alpha, delta = gate if gate is not None else (None, None)

@@ -261,27 +261,14 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
     return None
 
 
-class OperandLayout(NamedTuple):
-    """The key length and the shapes of a call's mask and bias (None when absent), as the
-    kernels get them: ``[*B|1, H|Hk|1, Lq|1, Lk|1]``."""
-
-    seqlen_k: int
-    mask: tuple[int, ...] | None = None
-    bias: tuple[int, ...] | None = None
-
-
-def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None, head_dim: int,
-                              layout: OperandLayout | None) -> tuple[str, str] | None:
+def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None,
+                              head_dim: int) -> tuple[str, str] | None:
     """Why the CUDA kernels cannot apply the call's softmax threshold, and the fix; None when
-    they can: the Hopper forward applies it (sm_90a, head dims 64 and 128, without the gate,
-    segment ids, the O(L) mask forms or a window table, reading a mask or bias by TMA: not
-    broadcast over keys, a bias of Lk % 8 == 0), every backward skips its blocks."""
+    they can (csrc/cuda/launch.h: ThresholdTakes): head dims 64 and 128, without the gate,
+    segment ids, the O(L) mask forms or a window table; the forward applies it (the Hopper
+    kernels where they take the call, else the FlashAttention-2-class ones), every backward skips
+    its blocks."""
     fix = "Such calls run on the CPU kernels and the reference."
-    capability = _ffi.local_gpu_compute_capability()
-    archs = _ffi.build_info()["cuda_archs"].split(",")
-    if capability is None or not capability.startswith("9.") or "90a" not in archs:
-        return ("softmax_threshold (tile skipping) runs on the Hopper kernels only (an sm_90a "
-                "build on a compute capability 9.0 GPU)", fix)
     if head_dim not in (64, 128):
         return ("the CUDA kernels take softmax_threshold (tile skipping) at head dims 64 and "
                 f"128, not {head_dim}", fix)
@@ -290,13 +277,6 @@ def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None, h
               "key ranges, row ranges or block indices": opts is not None and (
                   opts.has_key_ranges or opts.has_row_ranges or opts.has_block_indices),
               "a window table (window_sizes)": params.window_sizes is not None}
-    if layout is not None:
-        def over_keys(shape):
-            return shape is not None and shape[-1] == 1 and layout.seqlen_k > 1
-        others["a mask or bias broadcast over keys"] = over_keys(layout.mask) or over_keys(
-            layout.bias)
-        others["a bias and a key length not a multiple of 8"] = (
-            layout.bias is not None and layout.seqlen_k % 8 != 0)
     beside = [name for name, present in others.items() if present]
     if beside:
         return (f"the CUDA kernels do not take softmax_threshold (tile skipping) with "
@@ -305,11 +285,11 @@ def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None, h
 
 
 def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
-                opts: Optionals | None = None, layout: OperandLayout | None = None) -> bool:
+                opts: Optionals | None = None) -> bool:
     """True to lower to this platform's kernels, False to lower to the reference. On a GPU
     without a kernel for the call (or with a softmax threshold the CUDA kernels cannot apply,
-    :func:`_missing_threshold_kernel` with the call's operands ``opts`` and ``layout``, a
-    window table of too many kv heads, or a scale <= 0, which the CUDA kernels do not take:
+    :func:`_missing_threshold_kernel` with the call's operands ``opts``, a window table of too
+    many kv heads, or a scale <= 0, which the CUDA kernels do not take:
     the first of them missing is the reason), implementation="cuda" raises and None warns once
     per reason (then runs the pure-JAX reference). Every mask form (a bool mask, key ranges, row
     ranges, block indices and their tuples), segment ids and the gate run on the CUDA
@@ -337,7 +317,7 @@ def uses_kernel(platform: str, params: AttentionParams, dtype, head_dim: int,
                    "would drop the bias and gate, below 0 turn hidden scores into +inf)",
                    "A scale <= 0 runs on the CPU kernels and the reference.")
     if missing is None and params.softmax_threshold is not None:
-        missing = _missing_threshold_kernel(params, opts, head_dim, layout)
+        missing = _missing_threshold_kernel(params, opts, head_dim)
     if missing is not None:
         reason, fix = missing
         if requested == "cuda":
@@ -374,15 +354,10 @@ def _reference_backward(params, opts, q, k, v, out, dout, lse, dlse, *extras):
     return _present(*vjp((dout, dlse.astype(lse.dtype))))
 
 
-def _lowering(platform: str, kernel_fn, reference_fn, fixed: int):
-    """The lowering of forward_p (``fixed`` = 3 operands before the optional ones) or backward_p
-    (7) on `platform`: its kernels where :func:`uses_kernel` takes the call, else the reference."""
+def _lowering(platform: str, kernel_fn, reference_fn):
     def rule(ctx, *args, params, opts):
-        q_aval, k_aval = ctx.avals_in[:2]
-        mask, bias = opts.split(ctx.avals_in[fixed:])[:2]
-        layout = OperandLayout(k_aval.shape[-3], None if mask is None else mask.shape,
-                               None if bias is None else bias.shape)
-        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts, layout):
+        q_aval = ctx.avals_in[0]
+        if uses_kernel(platform, params, q_aval.dtype, q_aval.shape[-1], opts):
             fn = functools.partial(kernel_fn, platform, params, opts)
         else:
             fn = functools.partial(reference_fn, params, opts)
@@ -472,14 +447,14 @@ def register_lowerings(kernels: KernelCalls) -> None:
     missing registration fails instead of silently running the reference."""
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(
-            forward_p, _lowering(platform, kernels.forward, _reference_forward, 3),
+            forward_p, _lowering(platform, kernels.forward, _reference_forward),
             platform=platform)
         mlir.register_lowering(
-            backward_p, _lowering(platform, kernels.backward, _reference_backward, 7),
+            backward_p, _lowering(platform, kernels.backward, _reference_backward),
             platform=platform)
         mlir.register_lowering(
             sum_listed_keys_p, _sum_listed_keys_lowering(platform, kernels.sum_listed_keys),
             platform=platform)
-    mlir.register_lowering(forward_p, _lowering("other", None, _reference_forward, 3))
-    mlir.register_lowering(backward_p, _lowering("other", None, _reference_backward, 7))
+    mlir.register_lowering(forward_p, _lowering("other", None, _reference_forward))
+    mlir.register_lowering(backward_p, _lowering("other", None, _reference_backward))
     mlir.register_lowering(sum_listed_keys_p, _sum_listed_keys_lowering("other", None))

@@ -7,9 +7,8 @@
 // read it) and its byte of the drop map set; the map is zeroed by the launcher.
 #pragma once
 
-#include <cmath>
-
 #include "cuda/sm90/fwd_scores.cuh"
+#include "cuda/threshold.cuh"
 
 namespace dmattn::cuda::sm90 {
 
@@ -22,9 +21,9 @@ struct NoThreshold {
   }
 };
 
-// A consumer thread's view of the rule for its tile: the cut of its two rows, log2(threshold /
-// n_i) with n_i the keys row i may see by position alone (rows without any never hold a visible
-// score), and the drop map's row of its warpgroup's grid block (null past the last query row).
+// A consumer thread's view of the rule for its tile: log2(threshold / n_i) of its two rows
+// (threshold.cuh) and the drop map's row of its warpgroup's grid block (null past the last query
+// row).
 struct ThresholdRows {
   float log2_ratio[2];
   uint8_t* drops;
@@ -35,29 +34,9 @@ struct ThresholdRows {
   template <int N>
   __device__ __forceinline__ bool folds(const float (&s)[N], const RowState& st, float mul, int n,
                                         const ConsumerThread& th) const {
-    bool keep = false, seen = false;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float part[4];  // four chains: the decision is on the warpgroup's critical path
-#pragma unroll
-      for (int t = 0; t < N / 4; ++t) {
-        const float pair = fmaxf(s[4 * t + 2 * half], s[4 * t + 2 * half + 1]);
-        part[t % 4] = t < 4 ? pair : fmaxf(part[t % 4], pair);
-      }
-      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      float l = st.l[half];
-#pragma unroll
-      for (int lanes = 1; lanes <= 2; lanes *= 2) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
-        l += __shfl_xor_sync(0xffffffffu, l, lanes);
-      }
-      // The row's log2-sum-exp so far (units of st: exp2(acc * mul - m * mul)) plus the ratio.
-      const float cut = l > 0.f ? st.m[half] * mul + __log2f(l) + log2_ratio[half] : -INFINITY;
-      seen = seen || mx > -INFINITY;
-      keep = keep || (mx > -INFINITY && mx * mul >= cut);
-    }
-    if (named_any(kVoteBarrier + th.wg, 128, keep)) return true;
-    if (!named_any(kVoteBarrier + th.wg, 128, seen)) return false;
+    const detail::RowVerdict v = detail::row_verdict(s, st.m, st.l, log2_ratio, mul);
+    if (named_any(kVoteBarrier + th.wg, 128, v.keep)) return true;
+    if (!named_any(kVoteBarrier + th.wg, 128, v.seen)) return false;
     if (drops != nullptr && th.warp == 0 && th.lane == 0) drops[n] = 1;
     return false;
   }
@@ -73,11 +52,8 @@ __device__ __forceinline__ auto threshold_rows(const FwdParamsSm90& P, const Til
     ThresholdRows rows;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int i = th.row0(w.m0) + 8 * half;
-      const int keys = i < w.lens.q_len ? min(w.lens.kv_len, i + band.dmax + 1) -
-                                              max(0, i + band.dmin)
-                                        : 0;
-      rows.log2_ratio[half] = keys > 0 ? log2f(threshold / static_cast<float>(keys)) : 0.f;
+      rows.log2_ratio[half] =
+          detail::threshold_log2_ratio(threshold, th.row0(w.m0) + 8 * half, w.lens, band);
     }
     const int grid_row = th.wg_row0(w.m0) / static_cast<int>(kSkipBlockQ);
     rows.drops = grid_row < s.skip_rows()
