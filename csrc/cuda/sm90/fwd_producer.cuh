@@ -1,14 +1,14 @@
-// Producers of the Hopper forward. One warp walks every tile the CTA runs and its lane 0 issues
-// the TMA loads: Q once per tile, then for each visible key block with a visible mask element
-// (last to first, or first to last in threshold kernels; the mask block map names them,
-// block_map.cuh) K and V, each into its ring slot once the consumers have released it. It draws
-// the tiles and hands them to the consumers (fwd_scheduler.cuh), running ahead across tiles: the
-// next tile's Q and first blocks load while the consumers finish the current one. The bias and mask tiles of a block (the mask's only where
-// the block is not all true) go to rings of their own: in calls with a bias a second warp takes
-// the tiles from the same queue and, walking the same blocks, issues them (one warp of 24
-// registers issuing every load was the slower side of the pipeline once a bias streamed from
-// memory: 0.94 -> 0.87-0.89 ms with a 50 % mask, H200); otherwise the first warp loads the mask
-// tiles with K.
+// Producers of the Hopper forward. One warp walks every tile the CTA runs and its lane 0 issues the
+// TMA loads: Q once per tile, then for each visible key block with a visible mask element (last to
+// first, or first to last in threshold kernels; the mask block map names them, block_map.cuh) K and
+// V, each into its ring slot once the consumers have released it. It draws the tiles and hands them
+// to the consumers (fwd_scheduler.cuh), running ahead across tiles: the next tile's Q and first
+// blocks load while the consumers finish the current one. The bias and mask tiles of a block (the
+// mask's only where the block is not all true) go to rings of their own: in calls with a bias a
+// second warp takes the tiles from the same queue and, walking the same blocks, issues them (one
+// warp of 24 registers issuing every load was the slower side of the pipeline once a bias streamed
+// from memory: 0.94 -> 0.87-0.89 ms with a 50 % mask, H200); otherwise the first warp loads the
+// mask tiles with K.
 #pragma once
 
 #include "cuda/block_map.cuh"

@@ -119,12 +119,12 @@ struct GatePass {
 
 // The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
 // visible (all of them without either), from the last to the first (block_map.cuh; threshold
-// kernels from the first to the last: Tr::kKeyStep), stepping over the gap below a window
-// table's band (kTable); warp-wide.
-// first_block(): the first of them; after(n): the one after n; holds(n): whether n is one of
-// them (else the walk is over). Kernels that take neither compile no walk at all (csrc/cuda/README.md: the walk's code
-// in their main loop). Gated kernels pass over the blocks of the gate threshold's grid that it
-// drops (gate.cuh: GateFilter; every block is kept without a threshold).
+// kernels from the first to the last: Tr::kKeyStep), stepping over the gap below a window table's
+// band (kTable); warp-wide. first_block(): the first of them; after(n): the one after n; holds(n):
+// whether n is one of them (else the walk is over). Kernels that take neither compile no walk at
+// all (csrc/cuda/README.md: the walk's code in their main loop). Gated kernels pass over the blocks
+// of the gate threshold's grid that it drops (gate.cuh: GateFilter; every block is kept without a
+// threshold).
 template <typename Tr>
 struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   using MaskFlags = detail::KeyTileFlags<Tr::BM, Tr::BN>;
