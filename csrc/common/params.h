@@ -239,6 +239,7 @@ struct AttentionShape {
   DMATTN_HD int64_t drop_map_offset(int64_t b, int64_t h) const {
     return (b * num_heads + h) * skip_rows() * skip_cols();
   }
+  DMATTN_HD int64_t drop_map_bytes() const { return drop_map_offset(batch_count(), 0); }
 
   // The first key past the keys row i may see from the diagonal/window rule alone (no mask, no
   // lengths), and the first key it may see; an empty range when first >= end.

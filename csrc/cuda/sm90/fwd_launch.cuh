@@ -156,10 +156,8 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
       return e3;
     }
   }
-  if constexpr (Tr::kThreshold) {
-    if (params.drop_map == nullptr) return cudaErrorInvalidValue;
-    const int64_t drop_bytes = B * s.num_heads * s.skip_rows() * s.skip_cols();
-    if (cudaError_t e4 = cudaMemsetAsync(params.drop_map, 0, drop_bytes, stream);
+  if constexpr (Tr::kThreshold) {  // Forward checked that the call has its drop map
+    if (cudaError_t e4 = cudaMemsetAsync(params.drop_map, 0, s.drop_map_bytes(), stream);
         e4 != cudaSuccess) {
       return e4;
     }
