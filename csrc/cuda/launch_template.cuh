@@ -222,9 +222,8 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   });
   if constexpr (kThreshold) {  // ThresholdTakes: no index masks, no window table
     kernel = fwd_kernel<Tr, T, kNoIndex, false, true>;
-    const AttentionShape& s = p.s;
-    const int64_t drop_bytes = s.batch_count() * s.num_heads * s.skip_rows() * s.skip_cols();
-    if (cudaError_t e = cudaMemsetAsync(p.drop_map, 0, drop_bytes, stream); e != cudaSuccess) {
+    if (cudaError_t e = cudaMemsetAsync(p.drop_map, 0, p.s.drop_map_bytes(), stream);
+        e != cudaSuccess) {
       return e;
     }
   }
