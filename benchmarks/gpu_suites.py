@@ -679,17 +679,23 @@ def sharp_qkv(batch: int, length: int, heads: int, head_dim: int) -> dict:
                 dout=jax.random.normal(keys[4], shape, DTYPE))
 
 
-def dropped_fraction(inputs: dict, causal: bool, threshold: float) -> float:
-    """The share of the causal grid's visible blocks that `threshold` drops (the forward's drop
-    map, from the kernels that run the timed calls)."""
+def drop_map(inputs: dict, causal: bool, threshold: float) -> np.ndarray:
+    """The forward's drop map [B, H, Lq / 64, Lk / 128] of `threshold` (from the kernels that
+    run the timed calls)."""
     from jax_dmattn import ops
-    from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q, AttentionParams
+    from jax_dmattn.params import AttentionParams
 
     q, k, v = (inputs[n] for n in "qkv")
     params = AttentionParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1,
                              softmax_threshold=threshold)
-    drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, None, None)[2])(
+    return np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, None, None)[2])(
         q, k, v)).astype(bool)
+
+
+def dropped_fraction(drops: np.ndarray, causal: bool) -> float:
+    """The share of the grid's visible blocks that a drop map drops."""
+    from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q
+
     rows, cols = drops.shape[-2:]
     last_row = np.arange(rows)[:, None] * SKIP_BLOCK_Q + SKIP_BLOCK_Q - 1
     visible = np.arange(cols)[None] * SKIP_BLOCK_K <= last_row if causal else True
@@ -697,12 +703,56 @@ def dropped_fraction(inputs: dict, causal: bool, threshold: float) -> float:
     return float(drops[visible].mean())
 
 
+def threshold_error(inputs: dict, drops: np.ndarray, threshold: float,
+                    implementation: str, rows: int = 96) -> str:
+    """The threshold's output against exact attention (causal, float64 on the host) on `rows`
+    sampled query rows of every head. The documented bound: row i moves by at most m_i ·
+    (max_j v_jd - min_j v_jd) over its visible keys j, m_i (< t / (1 + t)) the probability of
+    its dropped blocks (`drops`, the forward's drop map [H, Lq / 64, Lk / 128] of batch entry
+    0); on top of it the kernel's own bf16 error, which the exact call's shows."""
+    from jax_dmattn.params import SKIP_BLOCK_K, SKIP_BLOCK_Q
+
+    q, k, v = (inputs[n] for n in "qkv")
+    length, head_dim = q.shape[1], q.shape[-1]
+
+    def attend(t):
+        return jax.jit(lambda q, k, v: jax_dmattn.flash_dmattn(
+            q, k, v, is_causal=True, softmax_threshold=t, implementation=implementation))(q, k, v)
+
+    picks = np.unique(np.linspace(0, length - 1, rows).astype(int))
+    out, exact = (np.asarray(attend(t)[0, picks], np.float64) for t in (threshold, None))
+    q64, k64, v64 = (np.asarray(x[0], np.float64) for x in (q, k, v))  # [L, H, D]
+    worst = dict(dropped=0.0, excess=0.0, ours=0.0, exact=0.0)
+    for n, i in enumerate(picks):
+        scores = np.einsum("hd,jhd->hj", q64[i], k64[:i + 1]) * head_dim ** -0.5
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        kept = weights * ~drops[:, i // SKIP_BLOCK_Q, np.arange(i + 1) // SKIP_BLOCK_K]
+        dropped = 1.0 - kept.sum(-1) / weights.sum(-1)  # [H]
+        want = np.einsum("hj,jhd->hd", weights / weights.sum(-1, keepdims=True), v64[:i + 1])
+        rule = np.einsum("hj,jhd->hd", kept / kept.sum(-1, keepdims=True), v64[:i + 1])
+        bound = dropped[:, None] * (v64[:i + 1].max(0) - v64[:i + 1].min(0))  # [H, D]
+        worst["dropped"] = max(worst["dropped"], float(dropped.max()))
+        worst["excess"] = max(worst["excess"], float((np.abs(out[n] - want) - bound).max()))
+        worst["ours"] = max(worst["ours"], float(np.abs(out[n] - rule).max()))
+        worst["exact"] = max(worst["exact"], float(np.abs(exact[n] - want).max()))
+    holds = worst["dropped"] < threshold / (1 + threshold) and worst["excess"] <= 2 * worst["exact"]
+    return (f"output vs exact attention (float64) on {len(picks)} rows x {q.shape[2]} heads: "
+            f"dropped probability m <= {worst['dropped']:.3g} (documented bound t / (1 + t) = "
+            f"{threshold / (1 + threshold):.3g}); |out - exact| - m · spread(v) <= "
+            f"{worst['excess']:.3g}, the bf16 error of the kernels: the threshold call's against "
+            f"the same rule in float64 {worst['ours']:.3g}, the exact call's against exact "
+            f"{worst['exact']:.3g}; within the documented bound up to the exact call's own error "
+            f"(the excess at most twice it): {'yes' if holds else 'NO'}")
+
+
 def suite_threshold(bench: Bench) -> tuple[list[dict], list[str]]:
     """Softmax-threshold skipping (issue 27): D=128, H=16, causal, sharp_qkv inputs; exact (no
     threshold), `softmax_threshold` = SKIP_THRESHOLD, and cuDNN."""
     heads, head_dim, length = (2, 128, 2048) if bench.quick else (16, 128, 16384)
     inputs = sharp_qkv(1, length, heads, head_dim)
-    dropped = dropped_fraction(inputs, True, SKIP_THRESHOLD)
+    drops = drop_map(inputs, True, SKIP_THRESHOLD)
+    dropped = dropped_fraction(drops, True)
+    error = threshold_error(inputs, drops[0], SKIP_THRESHOLD, bench.ours)
     label = f"D={head_dim} L={kilo(length)} H={heads} causal sharp"
     config = dict(B=1, L=length, H=heads, Hk=heads, D=head_dim, causal=True,
                   softmax_threshold=SKIP_THRESHOLD, dropped_blocks=round(dropped, 4))
@@ -716,7 +766,7 @@ def suite_threshold(bench: Bench) -> tuple[list[dict], list[str]]:
              f"is_causal=True)` (exact); jax_dmattn (softmax threshold): the same with "
              f"`softmax_threshold={SKIP_THRESHOLD}`, which drops {100 * dropped:.1f} % of the "
              "causal grid's visible 64 x 128 blocks; gradients wrt q, k, v",
-             "TF/s counts the causal call's FLOPs for every implementation"]
+             "TF/s counts the causal call's FLOPs for every implementation", error]
     bounds = {"fwd": SKIP_MAX_FWD, "fwd+bwd": SKIP_MAX_FWD_BWD}
     for row in rows:
         exact, skip = (row["results"].get(i, {}).get("ms") for i in ("jax_dmattn",
