@@ -565,9 +565,8 @@ def rule_operands(rng, rule, batch, lq, lk, kv_heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("forward", ["auto", "flash2"])
 @pytest.mark.parametrize("rule", GPU_RULES)
-def test_cuda_with_other_rules(rule, forward):
+def test_cuda_with_other_rules(rule):
     """A threshold beside segment ids, key ranges, block indices or a window table with sinks
     runs on the CUDA kernels (the FlashAttention-2-class forward walking up the keys past the
     blocks the rule hides; no fallback warning): its drop map equals the float64 reference's,
@@ -580,25 +579,17 @@ def test_cuda_with_other_rules(rule, forward):
     param_kw, op_kw, call_kw = rule_operands(rng, rule, batch, lq, lk, kv_heads)
     params = AttentionParams(scale=dim ** -0.5, diagonal_offset=lk - lq, window_right=0,
                              softmax_threshold=t, **param_kw)
-    _ffi.cuda_set_forward_kernel(forward)
-    jax.clear_caches()
-    try:
-        drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, **op_kw)[2])(
-            q, k, v))
-        _, _, want_drops = reference.attention(params, to64(q), to64(k), to64(v),
-                                               return_drop_map=True, **op_kw)
-        np.testing.assert_array_equal(drops, want_drops)
-        assert drops.any()
-        mask = call_kw.pop("mask", None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = outputs_and_grads(runner("cuda", t, mask, is_causal=True, **call_kw), q, k, v,
-                                    None)
-        want = outputs_and_grads(runner("xla", t, mask, is_causal=True, **call_kw), to64(q),
-                                 to64(k), to64(v), None)
-    finally:
-        _ffi.cuda_set_forward_kernel("auto")
-        jax.clear_caches()
+    drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, **op_kw)[2])(q, k, v))
+    _, _, want_drops = reference.attention(params, to64(q), to64(k), to64(v),
+                                           return_drop_map=True, **op_kw)
+    np.testing.assert_array_equal(drops, want_drops)
+    assert drops.any()
+    mask = call_kw.pop("mask", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = outputs_and_grads(runner("cuda", t, mask, is_causal=True, **call_kw), q, k, v, None)
+    want = outputs_and_grads(runner("xla", t, mask, is_causal=True, **call_kw), to64(q), to64(k),
+                             to64(v), None)
     assert_close(got[0], want[0], jnp.bfloat16, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
     for name, g, w in zip("qkv", got[2], want[2], strict=True):
