@@ -425,9 +425,9 @@ def test_traced_threshold_refused():
 
 def test_cuda_takes_a_threshold(monkeypatch):
     """With a fake CUDA build the CUDA kernels take a threshold at head dims 64 and 128, on an
-    sm_90 GPU and an sm_80 one alike, with the O(L) mask forms, segment ids and a window table
-    too; other head dims and the gate go to the reference (None warns once naming the reason,
-    implementation="cuda" raises, the CPU kernels take it)."""
+    sm_90 GPU and an sm_80 one alike, with the O(L) mask forms, segment ids, a window table and
+    a gate too; other head dims and a gate threshold go to the reference (None warns once naming
+    the reason, implementation="cuda" raises, the CPU kernels take it)."""
     fake_cuda_build(monkeypatch, [16, 64, 128])
     params = AttentionParams(scale=0.1, softmax_threshold=0.5)
     for head_dim in (64, 128):
@@ -435,11 +435,12 @@ def test_cuda_takes_a_threshold(monkeypatch):
     with pytest.warns(RuntimeWarning, match="at head dims 64 and 128, not 16"):
         assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 16)
     gated = ops.Optionals.of(None, None, None, alpha=jnp.zeros(1))
-    with pytest.warns(RuntimeWarning, match="with a gate"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, gated)
+    cut = AttentionParams(scale=0.1, softmax_threshold=0.5, gate_threshold=-2.0)
+    with pytest.warns(RuntimeWarning, match="with a gate threshold"):
+        assert not ops.uses_kernel("cuda", cut, jnp.bfloat16, 128, gated)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for opts in (ops.Optionals.of(None, None, None, key_start=jnp.zeros(1)),
+        for opts in (gated, ops.Optionals.of(None, None, None, key_start=jnp.zeros(1)),
                      ops.Optionals.of(None, None, None, q_segments=jnp.zeros(1))):
             assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128, opts)
         table = AttentionParams(scale=0.1, softmax_threshold=0.5, window_sizes=((0, 8, 0),))
@@ -536,12 +537,12 @@ def check_cuda_case(case):
 
 
 # Rules beside the threshold that the FlashAttention-2-class forward alone takes: segment ids,
-# key ranges, block indices (key blocks of 128, a fifth of the slots unlisted) and a per-kv-head
-# window table with sinks.
-GPU_RULES = ("segments", "key-ranges", "block-indices", "window-table")
+# key ranges, block indices (64 x 128 blocks, a quarter of the slots unlisted), a per-kv-head
+# window table with sinks and a gate (without its threshold).
+GPU_RULES = ("segments", "key-ranges", "block-indices", "window-table", "gate")
 
 
-def rule_operands(rng, rule, batch, lq, lk, kv_heads):
+def rule_operands(rng, rule, batch, lq, lk, heads, kv_heads):
     """(params keywords, ops.forward / reference keywords, flash_dmattn keywords) of `rule`."""
     if rule == "segments":
         ids = jnp.asarray(np.repeat([0, 1, 2], [lq // 3, lq // 3, lq - 2 * (lq // 3)])[None]
@@ -560,15 +561,30 @@ def rule_operands(rng, rule, batch, lq, lk, kv_heads):
                               jnp.int32)
         return (dict(block_q=64, block_k=128), dict(block_indices=indices),
                 dict(mask=masks.BlockIndices(indices, 64, 128)))
+    if rule == "gate":
+        alpha = jnp.asarray(rng.uniform(-1.5, 1.5, (batch, lq, heads)), jnp.float32)
+        delta = jnp.asarray(rng.uniform(-1.5, 1.5, (batch, lk, kv_heads)), jnp.float32)
+        return {}, dict(alpha=alpha, delta=delta), dict(gate=(alpha, delta))
     table = ((64, 200, 0), (0, 300, 0))[:kv_heads]
     return dict(window_sizes=table), {}, dict(window_sizes=table)
+
+
+def gate_to64(kw):
+    """`kw` with the gate's alpha and delta (keywords alpha and delta, or gate) in float64."""
+    kw = dict(kw)
+    for name in ("alpha", "delta"):
+        if name in kw:
+            kw[name] = to64(kw[name])
+    if "gate" in kw:
+        kw["gate"] = tuple(map(to64, kw["gate"]))
+    return kw
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", GPU_RULES)
 def test_cuda_with_other_rules(rule):
-    """A threshold beside segment ids, key ranges, block indices or a window table with sinks
-    runs on the CUDA kernels (the FlashAttention-2-class forward walking up the keys past the
+    """A threshold beside segment ids, key ranges, block indices, a window table with sinks or a
+    gate runs on the CUDA kernels (the FlashAttention-2-class forward walking up the keys past the
     blocks the rule hides; no fallback warning): its drop map equals the float64 reference's,
     and out, lse and the gradients equal the reference applying the rule; blocks are dropped."""
     require_cuda_kernel(128, jnp.bfloat16)
@@ -576,20 +592,20 @@ def test_cuda_with_other_rules(rule):
     batch, lq, lk, heads, kv_heads, dim, t = 2, 520, 700, 4, 2, 128, 0.5
     q, k, v = sharp_qkv(rng, batch, lq, lk, heads, kv_heads, dim, jnp.bfloat16,
                         sharp=(0, 1, 2, 260, 261, 600))
-    param_kw, op_kw, call_kw = rule_operands(rng, rule, batch, lq, lk, kv_heads)
+    param_kw, op_kw, call_kw = rule_operands(rng, rule, batch, lq, lk, heads, kv_heads)
     params = AttentionParams(scale=dim ** -0.5, diagonal_offset=lk - lq, window_right=0,
                              softmax_threshold=t, **param_kw)
     drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, **op_kw)[2])(q, k, v))
     _, _, want_drops = reference.attention(params, to64(q), to64(k), to64(v),
-                                           return_drop_map=True, **op_kw)
+                                           return_drop_map=True, **gate_to64(op_kw))
     np.testing.assert_array_equal(drops, want_drops)
     assert drops.any()
     mask = call_kw.pop("mask", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = outputs_and_grads(runner("cuda", t, mask, is_causal=True, **call_kw), q, k, v, None)
-    want = outputs_and_grads(runner("xla", t, mask, is_causal=True, **call_kw), to64(q), to64(k),
-                             to64(v), None)
+    want = outputs_and_grads(runner("xla", t, mask, is_causal=True, **gate_to64(call_kw)),
+                             to64(q), to64(k), to64(v), None)
     assert_close(got[0], want[0], jnp.bfloat16, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
     for name, g, w in zip("qkv", got[2], want[2], strict=True):

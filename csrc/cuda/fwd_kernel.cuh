@@ -19,10 +19,10 @@
 // kernels of their own (kGatedForms, the forms' code too): the scores gain the gate's term with
 // the bias, and the walk passes over the grid blocks the gate threshold drops. The
 // softmax-threshold kernels (kThreshold: a 64 x 128 tile, one block of the rule's grid; index
-// masks and window tables, no gate) walk up the key blocks as the rule visits them (a block the
-// walk skips holds no visible score, which the rule neither keeps nor drops) and, once S(n) is
-// scored, vote over the CTA (threshold.cuh): a dropped block gets no softmax and no P V, and its
-// byte of the drop map is set over the launcher's zeros.
+// masks, window tables, a gate without its threshold) walk up the key blocks as the rule visits
+// them (a block the walk skips holds no visible score, which the rule neither keeps nor drops)
+// and, once S(n) is scored, vote over the CTA (threshold.cuh): a dropped block gets no softmax and
+// no P V, and its byte of the drop map is set over the launcher's zeros.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -192,8 +192,7 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 template <typename Tr, typename T, int kIndex, bool kTable, bool kThreshold = false>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
-  static_assert(!kThreshold || (kIndex != kGatedForms && Tr::BM == kSkipBlockQ &&
-                                Tr::BN == kSkipBlockK && Tr::MT == 1),
+  static_assert(!kThreshold || (Tr::BM == kSkipBlockQ && Tr::BN == kSkipBlockK && Tr::MT == 1),
                 "a threshold tile is one block of the rule's grid, its warps' rows one MMA tile");
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
@@ -345,7 +344,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   }();
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
-    if constexpr (kGated) {  // past the grid blocks the gate threshold drops
+    if constexpr (kGated && !kThreshold) {  // past the grid blocks the gate threshold drops
       next = gate_filter.template next_kept<BN>(next, n_lo - 1, next_visible, flags);
     }
     return next;

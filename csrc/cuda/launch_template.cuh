@@ -217,13 +217,8 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   const int index = IndexKindOf(p);  // kFormsOnly: kFormsAndIds or kGatedForms
   auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
     constexpr int kPicked = decltype(i)::value;
-    if constexpr (kThreshold) {  // ThresholdTakes: no gate (its kernel is never picked)
-      constexpr int kIndex = kPicked == kGatedForms ? kFormsAndIds : kPicked;
-      return fwd_kernel<Tr, T, kIndex, decltype(table)::value, true>;
-    } else {
-      constexpr int kIndex = kFormsOnly && kPicked < kFormsAndIds ? kFormsAndIds : kPicked;
-      return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
-    }
+    constexpr int kIndex = kFormsOnly && kPicked < kFormsAndIds ? kFormsAndIds : kPicked;
+    return fwd_kernel<Tr, T, kIndex, decltype(table)::value, kThreshold>;
   });
   if constexpr (kThreshold) {
     if (cudaError_t e = cudaMemsetAsync(p.drop_map, 0, p.s.drop_map_bytes(), stream);

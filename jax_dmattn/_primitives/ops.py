@@ -264,16 +264,17 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None,
                               head_dim: int) -> tuple[str, str] | None:
     """Why the CUDA kernels cannot apply the call's softmax threshold, and the fix; None when
-    they can (csrc/cuda/launch.h: ThresholdTakes): head dims 64 and 128, without the gate; the
-    forward applies it (the Hopper kernels where they take the call, else the
-    FlashAttention-2-class ones, which also take segment ids, the O(L) mask forms and window
-    tables), every backward skips its blocks."""
+    they can (csrc/cuda/launch.h: ThresholdTakes): head dims 64 and 128, without a gate
+    threshold; the forward applies it (the Hopper kernels where they take the call, else the
+    FlashAttention-2-class ones, which also take segment ids, the O(L) mask forms, window tables
+    and the gate), every backward skips its blocks."""
     fix = "Such calls run on the CPU kernels and the reference."
     if head_dim not in (64, 128):
         return ("the CUDA kernels take softmax_threshold (tile skipping) at head dims 64 and "
                 f"128, not {head_dim}", fix)
-    if opts is not None and opts.has_gate:
-        return ("the CUDA kernels do not take softmax_threshold (tile skipping) with a gate", fix)
+    if opts is not None and opts.has_gate and params.gate_threshold is not None:
+        return ("the CUDA kernels do not take softmax_threshold (tile skipping) with a gate "
+                "threshold", fix)
     return None
 
 
