@@ -153,10 +153,11 @@ def flash_dmattn(
         row hold exact probability ``m < t / (1 + t)`` (``t = softmax_threshold · d_i / n_i``,
         ``d_i`` its dropped visible keys), lse is lower by ``-log(1 - m) < log(1 + t)`` and each
         output coordinate moves by at most ``m · (max_j v_jd - min_j v_jd)`` over the row's visible
-        keys. The CPU kernels take it, and the CUDA kernels at head dims 64 and 128 without a gate,
-        segment ids, key ranges, row ranges, block indices or a window table (the Hopper forward
-        where it takes the call, else the FlashAttention-2-class one); other GPU calls run the
-        reference (with a warning; implementation='cuda' raises).
+        keys. The CPU kernels take it, and the CUDA kernels at head dims 64 and 128 without a
+        gate threshold (the Hopper forward where it takes the call, else the
+        FlashAttention-2-class one, which also takes segment ids, key ranges, row ranges, block
+        indices, a window table and the gate); other GPU calls run the reference (with a warning;
+        implementation='cuda' raises).
 
     Returns:
       ``out [B, Lq, H, D]`` in query's dtype, and ``lse`` when asked. A row with no visible key

@@ -5,11 +5,14 @@ implementation of the same layer, with gradients, jit and KV-cache decoding; pac
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOL_FP32, assert_close, reference_jit, rel_error
+from conftest import TOL_FP32, TOL_HALF_GRAD, TOL_HALF_OUT, assert_close, reference_jit, rel_error
+from form_checks import require_cuda_kernel
 
 eqx = pytest.importorskip("equinox")  # optional dependencies of jax_dmattn
 pytest.importorskip("flax")
@@ -717,3 +720,30 @@ def test_softmax_threshold_layers():
 
     with pytest.raises(NotImplementedError, match="softmax_threshold"):
         layer.init_cache(B, length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_softmax_threshold_layer_on_cuda(gated):
+    """On a GPU a layer with a softmax threshold (its top-window mask as key ranges beside it;
+    gated or not) runs the CUDA kernels: no fallback warning with implementation="cuda", and the
+    output and its gradient wrt the input equal the same layer on the reference."""
+    require_cuda_kernel(64, jnp.bfloat16)
+    hidden, heads, kv_heads, dim, length, window, t = 128, 2, 1, 64, 600, 300, 50.0
+
+    def layer(implementation):
+        return dma_flax.DynamicMaskAttention(hidden, heads, num_kv_heads=kv_heads, head_dim=dim,
+                                             window=window, softmax_threshold=t, gated=gated,
+                                             dtype=jnp.bfloat16, implementation=implementation,
+                                             rngs=nnx.Rngs(0))
+
+    def output_and_grad(m, x):
+        return jax.value_and_grad(lambda x: jnp.sum(m(x).astype(jnp.float32) ** 2))(x), m(x)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, length, hidden), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (_, got_dx), got = nnx.jit(output_and_grad)(layer("cuda"), x)
+    (_, want_dx), want = nnx.jit(output_and_grad)(layer("xla"), x)
+    assert_close("cuda layer", got.astype(jnp.float32), want.astype(jnp.float32), TOL_HALF_OUT)
+    assert_close("cuda layer dx", got_dx, want_dx, TOL_HALF_GRAD)

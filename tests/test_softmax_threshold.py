@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_block_indices as blocks
 from conftest import fake_cuda_build, record_ffi_calls
 from form_checks import (
     assert_close,
-    assert_cuda_refuses,
     assert_vmap_matches_each,
     lower_for_cuda,
     outputs_and_grads,
@@ -425,9 +425,9 @@ def test_traced_threshold_refused():
 
 def test_cuda_takes_a_threshold(monkeypatch):
     """With a fake CUDA build the CUDA kernels take a threshold at head dims 64 and 128, on an
-    sm_90 GPU and an sm_80 one alike; other head dims, a window table, the gate and the O(L)
-    mask forms go to the reference (None warns once naming the reason, implementation="cuda"
-    raises, the CPU kernels take it)."""
+    sm_90 GPU and an sm_80 one alike, with the O(L) mask forms, segment ids, a window table and
+    a gate too; other head dims and a gate threshold go to the reference (None warns once naming
+    the reason, implementation="cuda" raises, the CPU kernels take it)."""
     fake_cuda_build(monkeypatch, [16, 64, 128])
     params = AttentionParams(scale=0.1, softmax_threshold=0.5)
     for head_dim in (64, 128):
@@ -435,14 +435,16 @@ def test_cuda_takes_a_threshold(monkeypatch):
     with pytest.warns(RuntimeWarning, match="at head dims 64 and 128, not 16"):
         assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 16)
     gated = ops.Optionals.of(None, None, None, alpha=jnp.zeros(1))
-    with pytest.warns(RuntimeWarning, match="with a gate"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, gated)
-    ranged = ops.Optionals.of(None, None, None, key_start=jnp.zeros(1))
-    with pytest.warns(RuntimeWarning, match="with key ranges, row ranges or block indices"):
-        assert not ops.uses_kernel("cuda", params, jnp.bfloat16, 128, ranged)
-    assert_cuda_refuses(AttentionParams(scale=0.1, softmax_threshold=0.5,
-                                        window_sizes=((0, 8, 0),)),
-                        "with a window table")
+    cut = AttentionParams(scale=0.1, softmax_threshold=0.5, gate_threshold=-2.0)
+    with pytest.warns(RuntimeWarning, match="with a gate threshold"):
+        assert not ops.uses_kernel("cuda", cut, jnp.bfloat16, 128, gated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for opts in (gated, ops.Optionals.of(None, None, None, key_start=jnp.zeros(1)),
+                     ops.Optionals.of(None, None, None, q_segments=jnp.zeros(1))):
+            assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128, opts)
+        table = AttentionParams(scale=0.1, softmax_threshold=0.5, window_sizes=((0, 8, 0),))
+        assert ops.uses_kernel("cuda", table, jnp.bfloat16, 64)
     fake_cuda_build(monkeypatch, [16, 64, 128], cuda_archs="80")
     monkeypatch.setattr(_ffi, "local_gpu_compute_capability", lambda: "8.0")
     assert ops.uses_kernel("cuda", params, jnp.bfloat16, 128)
@@ -532,6 +534,82 @@ def check_cuda_case(case):
         bias = jnp.asarray(rng.standard_normal((batch, heads, rows, lk)), dtype)
     assert_matches_rule("cuda", t, q, k, v, mask, bias, causal, softcap,
                         deterministic=deterministic)
+
+
+# Rules beside the threshold that the FlashAttention-2-class forward alone takes: segment ids,
+# key ranges, block indices (64 x 128 blocks, a quarter of the slots unlisted), a per-kv-head
+# window table with sinks and a gate (without its threshold).
+GPU_RULES = ("segments", "key-ranges", "block-indices", "window-table", "gate")
+
+
+def rule_operands(rng, rule, batch, lq, lk, heads, kv_heads):
+    """(params keywords, ops.forward / reference keywords, flash_dmattn keywords) of `rule`."""
+    if rule == "segments":
+        ids = jnp.asarray(np.repeat([0, 1, 2], [lq // 3, lq // 3, lq - 2 * (lq // 3)])[None]
+                          .repeat(batch, 0), jnp.int32)
+        kv_ids = jnp.asarray(np.repeat([0, 1, 2], [lk // 3, lk // 3, lk - 2 * (lk // 3)])[None]
+                             .repeat(batch, 0), jnp.int32)
+        return ({}, dict(q_segments=ids, kv_segments=kv_ids),
+                dict(q_segment_ids=ids, kv_segment_ids=kv_ids))
+    if rule == "key-ranges":
+        start = jnp.asarray(rng.integers(0, lq // 2, (batch, kv_heads, lk)), jnp.int32)
+        end = jnp.asarray(rng.integers(lq // 2, lq + 1, (batch, kv_heads, lk)), jnp.int32)
+        return ({}, dict(key_start=start[:, :, None], key_end=end[:, :, None]),
+                dict(mask=masks.KeyRanges(start, end)))
+    if rule == "block-indices":
+        indices = jnp.asarray(blocks.random_indices(rng, (batch, kv_heads), lq, lk, 64, 128, 4),
+                              jnp.int32)
+        return (dict(block_q=64, block_k=128), dict(block_indices=indices),
+                dict(mask=masks.BlockIndices(indices, 64, 128)))
+    if rule == "gate":
+        alpha = jnp.asarray(rng.uniform(-1.5, 1.5, (batch, lq, heads)), jnp.float32)
+        delta = jnp.asarray(rng.uniform(-1.5, 1.5, (batch, lk, kv_heads)), jnp.float32)
+        return {}, dict(alpha=alpha, delta=delta), dict(gate=(alpha, delta))
+    table = ((64, 200, 0), (0, 300, 0))[:kv_heads]
+    return dict(window_sizes=table), {}, dict(window_sizes=table)
+
+
+def gate_to64(kw):
+    """`kw` with the gate's alpha and delta (keywords alpha and delta, or gate) in float64."""
+    kw = dict(kw)
+    for name in ("alpha", "delta"):
+        if name in kw:
+            kw[name] = to64(kw[name])
+    if "gate" in kw:
+        kw["gate"] = tuple(map(to64, kw["gate"]))
+    return kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", GPU_RULES)
+def test_cuda_with_other_rules(rule):
+    """A threshold beside segment ids, key ranges, block indices, a window table with sinks or a
+    gate runs on the CUDA kernels (the FlashAttention-2-class forward walking up the keys past the
+    blocks the rule hides; no fallback warning): its drop map equals the float64 reference's,
+    and out, lse and the gradients equal the reference applying the rule; blocks are dropped."""
+    require_cuda_kernel(128, jnp.bfloat16)
+    rng = np.random.default_rng(GPU_RULES.index(rule))
+    batch, lq, lk, heads, kv_heads, dim, t = 2, 520, 700, 4, 2, 128, 0.5
+    q, k, v = sharp_qkv(rng, batch, lq, lk, heads, kv_heads, dim, jnp.bfloat16,
+                        sharp=(0, 1, 2, 260, 261, 600))
+    param_kw, op_kw, call_kw = rule_operands(rng, rule, batch, lq, lk, heads, kv_heads)
+    params = AttentionParams(scale=dim ** -0.5, diagonal_offset=lk - lq, window_right=0,
+                             softmax_threshold=t, **param_kw)
+    drops = np.asarray(jax.jit(lambda q, k, v: ops.forward(params, q, k, v, **op_kw)[2])(q, k, v))
+    _, _, want_drops = reference.attention(params, to64(q), to64(k), to64(v),
+                                           return_drop_map=True, **gate_to64(op_kw))
+    np.testing.assert_array_equal(drops, want_drops)
+    assert drops.any()
+    mask = call_kw.pop("mask", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = outputs_and_grads(runner("cuda", t, mask, is_causal=True, **call_kw), q, k, v, None)
+    want = outputs_and_grads(runner("xla", t, mask, is_causal=True, **gate_to64(call_kw)),
+                             to64(q), to64(k), to64(v), None)
+    assert_close(got[0], want[0], jnp.bfloat16, "out")
+    assert_close(got[1], want[1], jnp.float32, "lse")
+    for name, g, w in zip("qkv", got[2], want[2], strict=True):
+        assert_close(g, w, jnp.bfloat16, f"d{name}")
 
 
 @pytest.mark.gpu

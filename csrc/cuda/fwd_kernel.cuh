@@ -18,10 +18,11 @@
 // and its sink's blocks, the walk stepping over the gap between them. Gated calls (gate.cuh) run
 // kernels of their own (kGatedForms, the forms' code too): the scores gain the gate's term with
 // the bias, and the walk passes over the grid blocks the gate threshold drops. The
-// softmax-threshold kernels (kThreshold: a 64 x 128 tile, one block of the rule's grid; no index
-// masks or window table) walk up the key blocks as the rule visits them and, once S(n) is scored,
-// vote over the CTA (threshold.cuh): a dropped block gets no softmax and no P V, and its byte of
-// the drop map is set over the launcher's zeros.
+// softmax-threshold kernels (kThreshold: a 64 x 128 tile, one block of the rule's grid; index
+// masks, window tables, a gate without its threshold) walk up the key blocks as the rule visits
+// them (a block the walk skips holds no visible score, which the rule neither keeps nor drops)
+// and, once S(n) is scored, vote over the CTA (threshold.cuh): a dropped block gets no softmax and
+// no P V, and its byte of the drop map is set over the launcher's zeros.
 //
 // The two GEMMs (scores_gemm, output_gemm) run on mma.sync, or on sm_90a with wgmma when the
 // tile is one warpgroup of 16-row warps (kWgmma): the accumulators have the same layout either
@@ -191,8 +192,7 @@ __device__ __forceinline__ void output_gemm(float (&o)[Tr::MT][Tr::NTO][4],
 template <typename Tr, typename T, int kIndex, bool kTable, bool kThreshold = false>
 __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ FwdParams p) {
   using namespace detail;
-  static_assert(!kThreshold || (kIndex == kNoIndex && !kTable && Tr::BM == kSkipBlockQ &&
-                                Tr::BN == kSkipBlockK && Tr::MT == 1),
+  static_assert(!kThreshold || (Tr::BM == kSkipBlockQ && Tr::BN == kSkipBlockK && Tr::MT == 1),
                 "a threshold tile is one block of the rule's grid, its warps' rows one MMA tile");
   using E = Elem<T>;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNT, MT = Tr::MT;
@@ -296,7 +296,10 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   const MaskMapView map(p.mask_map, s, b, h);
   const FormEntries form_entries(p.forms, s, b, h);  // read by kIndexed kernels only
   auto make_walk = [&] {
-    if constexpr (kIndexed) {
+    if constexpr (kIndexed && kThreshold) {
+      return indexed_key_block_walk_up<BM, BN>(map, has_mask, m0, n_hi,
+                                               IndexMasks<kIndex>(p, b, form_entries));
+    } else if constexpr (kIndexed) {
       return indexed_key_block_walk<BM, BN>(map, has_mask, m0, n_lo,
                                             IndexMasks<kIndex>(p, b, form_entries));
     } else if constexpr (kThreshold) {
@@ -314,7 +317,9 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
     }
   };
   auto next_visible = [&](int n, int* flags) {
-    if constexpr (kTable) {
+    if constexpr (kTable && kThreshold) {
+      return visible.gap.next_up(n, flags, walk_next);
+    } else if constexpr (kTable) {
       return visible.gap.next(n, flags, walk_next);
     } else {
       return walk_next(n, flags);
@@ -339,7 +344,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
   }();
   auto next_block = [&](int n, int* flags) {
     int next = next_visible(n, flags);
-    if constexpr (kGated) {  // past the grid blocks the gate threshold drops
+    if constexpr (kGated && !kThreshold) {  // past the grid blocks the gate threshold drops
       next = gate_filter.template next_kept<BN>(next, n_lo - 1, next_visible, flags);
     }
     return next;
@@ -389,7 +394,7 @@ __global__ void __launch_bounds__(Tr::kNT) fwd_kernel(const __grid_constant__ Fw
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       log2_ratio[half] = threshold_log2_ratio(static_cast<float>(s.softmax_threshold),
-                                              m0 + warp_row0 + g + 8 * half, L, band);
+                                              m0 + warp_row0 + g + 8 * half, L, rule);
     }
   }
   auto threshold_folds = [&](float (&scores)[MT][NTS][4], const float (&m)[2 * MT],

@@ -117,6 +117,18 @@ __device__ __forceinline__ IndexedKeyWalk<BM, BN, kIndex> indexed_key_block_walk
   return IndexedKeyWalk<BM, BN, kIndex>(true, {{map, m0}, has_mask, masks, rows}, n_lo - 1);
 }
 
+// Key blocks n, n + 1, ... up to n_hi - 1 of query rows m0.. that the mask and the index masks
+// leave visible (the softmax-threshold forward, which visits them as its rule does); n_hi when
+// none is left.
+template <int BM, int BN, int kIndex>
+using IndexedKeyWalkUp = TileWalk<1, IndexedTileFlags<KeyTileFlags<BM, BN>, BM, BN, true, kIndex>>;
+template <int BM, int BN, int kIndex>
+__device__ __forceinline__ IndexedKeyWalkUp<BM, BN, kIndex> indexed_key_block_walk_up(
+    const MaskMapView& map, bool has_mask, int m0, int n_hi, const IndexMasks<kIndex>& masks) {
+  const IdSpan rows = masks.has_segments ? masks.spans.template rows<BM>(m0) : IdSpan{};
+  return IndexedKeyWalkUp<BM, BN, kIndex>(true, {{map, m0}, has_mask, masks, rows}, n_hi);
+}
+
 // Query blocks m, m + 1, ... up to m_last of key columns n0.. that the mask and the index masks
 // leave visible (backward); m_last + 1 when none is left.
 template <int BM, int BN, int kIndex>

@@ -532,6 +532,15 @@ struct KeyGap {
       if (trip > 0 || !holds(n)) return n;
     }
   }
+  // The same for a walk up the keys (the softmax-threshold kernels): at or above n.
+  __device__ __forceinline__ int at_or_above(int n) const { return n >= lo ? max(n, hi) : n; }
+  template <typename WalkNext>
+  __device__ __forceinline__ int next_up(int n, int* flags, WalkNext&& walk_next) const {
+    for (int trip = 0;; ++trip, n = hi) {
+      n = walk_next(at_or_above(n), flags);
+      if (trip > 0 || !holds(n)) return n;
+    }
+  }
 };
 
 // The key blocks a rule leaves visible to some row of m0 .. m0 + BM - 1: those of its band and

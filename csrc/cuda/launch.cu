@@ -280,12 +280,12 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
                           !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f)) &&
-         (s.softmax_threshold == 0.0 || ThresholdTakes(s));
+         (s.softmax_threshold == 0.0 || (ThresholdTakes(s) && !s.has_gate && !s.has_segments &&
+                                         s.head_windows == nullptr));
 }
 
 bool ThresholdTakes(const AttentionShape& s) {
-  return (s.head_dim == 64 || s.head_dim == 128) && !s.has_gate && !s.has_segments &&
-         !s.has_mask_forms() && s.head_windows == nullptr;
+  return (s.head_dim == 64 || s.head_dim == 128) && !s.has_gate_threshold();
 }
 
 bool DecodeTakes(const AttentionShape& s) {

@@ -88,9 +88,10 @@ constexpr bool HasHopperForward(int64_t head_dim) {
 // call of this shape that splits its keys `num_splits` ways (its pointers allowing TMA).
 bool HopperForwardTakes(const AttentionShape& shape, int64_t num_splits);
 // True when a CUDA forward applies the call's softmax threshold (AttentionShape::
-// softmax_threshold): head dims 64 and 128, without the gate, segment ids, the O(L) mask forms
-// or a window table; the Hopper kernels where they take the call, else the FlashAttention-2-class
-// ones (any GPU, any mask and bias layout).
+// softmax_threshold): head dims 64 and 128, without a gate threshold; the Hopper kernels where
+// they take the call (no gate, segment ids, O(L) mask forms or window table), else the
+// FlashAttention-2-class ones (any GPU, any mask and bias layout, the index masks, window tables,
+// the gate).
 bool ThresholdTakes(const AttentionShape& shape);
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory (past 48 KB it must ask).

@@ -215,17 +215,11 @@ cudaError_t RunForwardTiles(const FwdParams& params, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (cudaError_t e = OrderQueryBlocks<Tr>(p, blocks, stream); e != cudaSuccess) return e;
   const int index = IndexKindOf(p);  // kFormsOnly: kFormsAndIds or kGatedForms
-  auto kernel = [&] {  // the threshold tile compiles its kernel alone
-    if constexpr (kThreshold) {  // ThresholdTakes: no index masks, no window table
-      return fwd_kernel<Tr, T, kNoIndex, false, true>;
-    } else {
-      return PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
-        constexpr int kIndex =
-            kFormsOnly && decltype(i)::value < kFormsAndIds ? kFormsAndIds : decltype(i)::value;
-        return fwd_kernel<Tr, T, kIndex, decltype(table)::value>;
-      });
-    }
-  }();
+  auto kernel = PickRules(index, p.windows.heads > 0, [](auto i, auto table) {
+    constexpr int kPicked = decltype(i)::value;
+    constexpr int kIndex = kFormsOnly && kPicked < kFormsAndIds ? kFormsAndIds : kPicked;
+    return fwd_kernel<Tr, T, kIndex, decltype(table)::value, kThreshold>;
+  });
   if constexpr (kThreshold) {
     if (cudaError_t e = cudaMemsetAsync(p.drop_map, 0, p.s.drop_map_bytes(), stream);
         e != cudaSuccess) {

@@ -10,13 +10,23 @@
 
 namespace dmattn::cuda::detail {
 
-// log2(threshold / n_i) for query row i, n_i the keys it may see by position alone (lengths and
-// the band; 0 for a row without any, which never holds a visible score).
+// log2(threshold / n_i) for query row i, n_i the keys it may see by position alone (lengths, the
+// band and, with a window table, its kv head's sink: PositionRule::sees; 0 for a row without
+// any, which never holds a visible score).
+__device__ __forceinline__ float threshold_log2_ratio(float threshold, int i, const SeqLens& lens,
+                                                      const PositionRule& rule) {
+  if (i >= lens.q_len) return 0.f;
+  const int band_lo = max(0, i + rule.band.dmin);
+  const int band_hi = min(lens.kv_len, i + rule.band.dmax + 1);
+  const int sink_lo = max(0, i + rule.outer.dmin);
+  const int sink_hi = min(min(lens.kv_len, rule.sink), i + rule.outer.dmax + 1);
+  const int keys = max(0, band_hi - band_lo) + max(0, sink_hi - sink_lo) -
+                   max(0, min(band_hi, sink_hi) - max(band_lo, sink_lo));
+  return keys > 0 ? log2f(threshold / static_cast<float>(keys)) : 0.f;
+}
 __device__ __forceinline__ float threshold_log2_ratio(float threshold, int i, const SeqLens& lens,
                                                       const Band& band) {
-  const int keys =
-      i < lens.q_len ? min(lens.kv_len, i + band.dmax + 1) - max(0, i + band.dmin) : 0;
-  return keys > 0 ? log2f(threshold / static_cast<float>(keys)) : 0.f;
+  return threshold_log2_ratio(threshold, i, lens, PositionRule{band, band, 0});
 }
 
 // A thread's verdicts on a block from its two rows (the accumulator rows g and g + 8 of a 16-row

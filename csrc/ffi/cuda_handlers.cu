@@ -32,8 +32,7 @@ ffi::Error CheckSupported(const AttentionShape& shape, const uint8_t* mask_map,
   if (shape.softmax_threshold > 0.0 && std::string(cuda::ForwardKernelName(shape)) == "none") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "jax_dmattn: the CUDA kernels take softmax_threshold (tile skipping) at "
-                      "head dims 64 and 128, without a gate, segment ids, key ranges, row ranges, "
-                      "block indices or a window table");
+                      "head dims 64 and 128, without a gate threshold");
   }
   if (shape.pages.present() && std::string(cuda::ForwardKernelName(shape)) != "decode") {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

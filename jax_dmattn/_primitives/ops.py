@@ -264,23 +264,17 @@ def _missing_cuda_kernel(dtype, head_dim: int) -> tuple[str, str] | None:
 def _missing_threshold_kernel(params: AttentionParams, opts: Optionals | None,
                               head_dim: int) -> tuple[str, str] | None:
     """Why the CUDA kernels cannot apply the call's softmax threshold, and the fix; None when
-    they can (csrc/cuda/launch.h: ThresholdTakes): head dims 64 and 128, without the gate,
-    segment ids, the O(L) mask forms or a window table; the forward applies it (the Hopper
-    kernels where they take the call, else the FlashAttention-2-class ones), every backward skips
-    its blocks."""
+    they can (csrc/cuda/launch.h: ThresholdTakes): head dims 64 and 128, without a gate
+    threshold; the forward applies it (the Hopper kernels where they take the call, else the
+    FlashAttention-2-class ones, which also take segment ids, the O(L) mask forms, window tables
+    and the gate), every backward skips its blocks."""
     fix = "Such calls run on the CPU kernels and the reference."
     if head_dim not in (64, 128):
         return ("the CUDA kernels take softmax_threshold (tile skipping) at head dims 64 and "
                 f"128, not {head_dim}", fix)
-    others = {"a gate": opts is not None and opts.has_gate,
-              "segment ids": opts is not None and opts.has_segments,
-              "key ranges, row ranges or block indices": opts is not None and (
-                  opts.has_key_ranges or opts.has_row_ranges or opts.has_block_indices),
-              "a window table (window_sizes)": params.window_sizes is not None}
-    beside = [name for name, present in others.items() if present]
-    if beside:
-        return (f"the CUDA kernels do not take softmax_threshold (tile skipping) with "
-                f"{beside[0]}", fix)
+    if opts is not None and opts.has_gate and params.gate_threshold is not None:
+        return ("the CUDA kernels do not take softmax_threshold (tile skipping) with a gate "
+                "threshold", fix)
     return None
 
 
