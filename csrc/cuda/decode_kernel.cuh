@@ -237,23 +237,37 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   // tile's work (harness, B8 Lq16 Lk32k H32/Hk8, a per-key bias over none: +27 % loaded where
   // used, +22 % a tile ahead).
   // Both of a thread's rows read one bias row where the bias is broadcast over queries and 8
-  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding.
+  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding. There
+  // the kernel issues about one instruction in two cycles a warp with two warps a scheduler, so
+  // its time follows its instruction count: the row is read, unpacked and scaled once for both.
   const bool one_bias_row = row[0].bias == row[1].bias;
-  auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
-    for_each_index<2, NTS, 1>([&](int half, int t, int) {
-      const int j = n * BN + kg * KW + t * 8 + 2 * tq;
-      const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
-      pairs[half][t] = 0;
-      if (bias == nullptr || j >= L.kv_len || (half == 1 && one_bias_row)) return;
+  auto load_bias_row = [&](int n, int half, uint32_t (&pairs)[NTS]) {
+    const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
+    const int j_first = n * BN + kg * KW + 2 * tq;  // the thread's key of t = 0
+    if (bias != nullptr && p.bias_vec && n * BN + (kg + 1) * KW <= L.kv_len) {
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(bias + j_first);
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) pairs[t] = __ldg(words + t * 4);
+      return;
+    }
+#pragma unroll
+    for (int t = 0; t < NTS; ++t) {
+      const int j = j_first + t * 8;
+      pairs[t] = 0;
+      if (bias == nullptr || j >= L.kv_len) continue;
       if (p.bias_vec) {
-        pairs[half][t] = __ldg(reinterpret_cast<const uint32_t*>(bias + j));
+        pairs[t] = __ldg(reinterpret_cast<const uint32_t*>(bias + j));
       } else {
-        pairs[half][t] = __ldg(bias + j * s.bias.col_stride);
+        pairs[t] = __ldg(bias + j * s.bias.col_stride);
         if (j + 1 < L.kv_len) {
-          pairs[half][t] |= static_cast<uint32_t>(__ldg(bias + (j + 1) * s.bias.col_stride)) << 16;
+          pairs[t] |= static_cast<uint32_t>(__ldg(bias + (j + 1) * s.bias.col_stride)) << 16;
         }
       }
-    });
+    }
+  };
+  auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
+    load_bias_row(n, 0, pairs[0]);
+    if (!one_bias_row) load_bias_row(n, 1, pairs[1]);
   };
   uint32_t next_bias[2][NTS];
   if (has_bias && queued[0] >= n_lo) load_bias(queued[0], next_bias);
@@ -295,12 +309,23 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
 
     // S = bias / scale + Q K^T
     float sc[NTS][4];
-    for_each_index<2, NTS, 1>([&](int half, int t, int) {
-      // (zeros without a bias)
-      const float2 x = E::unpack(one_bias_row ? bias_pairs[0][t] : bias_pairs[half][t]);
-      sc[t][2 * half] = x.x * p.bias_mul;
-      sc[t][2 * half + 1] = x.y * p.bias_mul;
-    });
+    auto scale_bias = [&](int half) {
+#pragma unroll
+      for (int t = 0; t < NTS; ++t) {
+        const float2 x = E::unpack_fast(bias_pairs[half][t]);
+        sc[t][2 * half] = x.x * p.bias_mul;
+        sc[t][2 * half + 1] = x.y * p.bias_mul;
+      }
+    };
+    if (!has_bias) {
+      for_each_element<1, NTS>([&](int, int t, int e) { sc[t][e] = 0.f; });
+    } else if (one_bias_row) {
+      scale_bias(0);
+      for_each_index<1, NTS, 2>([&](int, int t, int e) { sc[t][2 + e] = sc[t][e]; });
+    } else {
+      scale_bias(0);
+      scale_bias(1);
+    }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
