@@ -237,9 +237,10 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   // tile's work (harness, B8 Lq16 Lk32k H32/Hk8, a per-key bias over none: +27 % loaded where
   // used, +22 % a tile ahead).
   // Both of a thread's rows read one bias row where the bias is broadcast over queries and 8
-  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding. There
-  // the kernel issues about one instruction in two cycles a warp with two warps a scheduler, so
-  // its time follows its instruction count: the row is read, unpacked and scaled once for both.
+  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding. There,
+  // with two warps a scheduler each issuing about once in five cycles, the time follows the
+  // instruction count, so the row is read, unpacked and scaled once for both (H200: the bias's
+  // cost 1.27x -> 1.12x, benchmarks/results/logs/decode_bias_profile_h200.md).
   const bool one_bias_row = row[0].bias == row[1].bias;
   auto load_bias_row = [&](int n, int half, uint32_t (&pairs)[NTS]) {
     const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
