@@ -21,6 +21,7 @@ from conftest import (
     reference,
     rel_error,
     run_case,
+    with_infinite_bias,
 )
 
 import jax_dmattn
@@ -113,6 +114,15 @@ SPECIAL_CASES = [
     Case(B=2, Lq=33, Lk=47, H=2, Hk=2, D=16, scale=0.7, bias=("B", "1", "Lq", "Lk")),
 ]
 
+# ---- -inf bias elements: keys the bias alone hides (with_infinite_bias) ----------------------
+
+INFINITE_BIAS_CASES = [
+    Case(B=2, Lq=17, Lk=200, H=4, Hk=2, D=32, bias=FULL),
+    Case(B=1, Lq=130, Lk=300, H=4, Hk=4, D=64, causal=True, mask=("1", "1", "Lq", "Lk"),
+         bias=("B", "H", "1", "Lk")),
+    Case(B=2, Lq=64, Lk=256, H=4, Hk=1, D=32, softcap=5.0, bias=("1", "Hk", "Lq", "Lk")),
+]
+
 # ---- the jax.nn-style front end ---------------------------------------------------------------
 
 DPA_CASES = [
@@ -152,6 +162,14 @@ def test_broadcast_patterns(case):
 @pytest.mark.parametrize("case", SPECIAL_CASES, ids=cases_ids(SPECIAL_CASES))
 def test_special(case):
     check_case(case, IMPL)
+
+
+@pytest.mark.parametrize("case", INFINITE_BIAS_CASES, ids=cases_ids(INFINITE_BIAS_CASES))
+def test_infinite_bias_hides_keys(case):
+    """A -inf bias element hides its key as a mask would: zeros and -inf lse for a row it hides
+    whole, a zero dbias there, everything else as the float64 reference (under a softcap the
+    score is capped to -softcap instead, DESIGN.md §4's order: its key stays visible)."""
+    check_case(case, IMPL, with_infinite_bias(case, make_inputs(case)))
 
 
 @pytest.mark.parametrize("case", DPA_CASES, ids=cases_ids(DPA_CASES))

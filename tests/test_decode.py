@@ -48,7 +48,9 @@ class DecodeCase:
     `table`: flash_dmattn's ``window_sizes``, rows ``(sink, left, right)`` per kv head, or one
     row ``[3]`` for every kv head (``(0, left, right)`` is the plain local window). `q_lens`,
     `kv_lens` or `local_window` make the call go through dot_product_attention (top-left
-    aligned; no softcap there). `grad`: also compare the gradients (dbias included)."""
+    aligned; no softcap there). `grad`: also compare the gradients (dbias included).
+    `infinite_bias`: a third of the bias elements and the whole first bias row are -inf (keys
+    hidden by the bias alone, as a mask would)."""
 
     B: int
     Lq: int
@@ -66,6 +68,7 @@ class DecodeCase:
     kv_lens: tuple[int, ...] | None = None
     local_window: tuple[int, int] | None = None
     grad: bool = False
+    infinite_bias: bool = False
 
     @property
     def front_end(self) -> str:
@@ -87,9 +90,11 @@ class DecodeCase:
     @property
     def sees_no_key_somewhere(self) -> bool:
         """Rows with no visible key: every mask hides one (decode_mask), a length of 0 hides a
-        whole example, and a query length below Lq hides the rows past it."""
+        whole example, a query length below Lq hides the rows past it, and an infinite bias
+        its first row."""
         short_q = self.q_lens is not None and min(self.q_lens) < self.Lq
-        return self.mask is not None or short_q or 0 in (self.kv_lens or ())
+        return (self.mask is not None or short_q or 0 in (self.kv_lens or ())
+                or self.infinite_bias)
 
     def id(self) -> str:
         parts = [self.front_end, f"B{self.B}", f"q{self.Lq}", f"k{self.Lk}",
@@ -104,7 +109,7 @@ class DecodeCase:
                             (self.kv_lens, "kl" + ".".join(map(str, self.kv_lens or ()))),
                             (self.local_window, "win" + ".".join(map(str, self.local_window
                                                                      or ()))),
-                            (self.grad, "grad")):
+                            (self.grad, "grad"), (self.infinite_bias, "infbias")):
             if flag:
                 parts.append(label)
         return "-".join(parts)
@@ -144,8 +149,13 @@ CASES = [
     # D256
     DecodeCase(2, 4, 777, 16, 2, 256, "bfloat16", mask=KV_HEAD_KEYS, bias=PER_KEY, softcap=5.0),
     DecodeCase(2, 1, 4100, 32, 8, 256, "float16", mask=ROWS_KEYS, bias=FULL),
+    # -inf bias elements (a third, and every key of one bias row): keys the bias hides
+    DecodeCase(2, 16, 1000, 32, 8, 128, "bfloat16", bias=PER_KEY, infinite_bias=True),
+    DecodeCase(2, 1, 777, 16, 2, 64, "float16", bias=FULL, infinite_bias=True, grad=True),
+    DecodeCase(1, 4, 4100, 8, 1, 128, "bfloat16", mask=ROWS_KEYS, bias=PER_KEY,
+               infinite_bias=True),
 ]
-CPU_CASES = [CASES[i] for i in (1, 2, 3, 4, 7, 9, 10, 11)]
+CPU_CASES = [CASES[i] for i in (1, 2, 3, 4, 7, 9, 10, 11, 13, 14)]
 
 
 def _ids(cases: list[DecodeCase]) -> list[str]:
@@ -204,8 +214,13 @@ def inputs(case: DecodeCase, salt: str = "") -> tuple:
     # causality hides only keys of the last tile from decode rows: they stay visible there
     mask = (None if case.mask is None
             else jnp.asarray(decode_mask(rng, case.resolve(case.mask), not case.causal)))
-    bias = (None if case.bias is None
-            else jnp.asarray(rng.standard_normal(case.resolve(case.bias)), dtype))
+    bias = None
+    if case.bias is not None:
+        bias = rng.standard_normal(case.resolve(case.bias))
+        if case.infinite_bias:
+            bias[rng.random(bias.shape) < 1 / 3] = -np.inf
+            bias[(0,) * (bias.ndim - 1)] = -np.inf
+        bias = jnp.asarray(bias, dtype)
     return q, k, v, mask, bias
 
 

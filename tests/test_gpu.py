@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    FULL,
     HALF_DTYPES,
     Case,
     assert_close,
@@ -23,9 +24,16 @@ from conftest import (
     round_to,
     run_case,
     tolerance,
+    with_infinite_bias,
 )
 from form_checks import require_cuda_kernel
-from test_conformance import BROADCAST_CASES, DPA_CASES, SHAPE_CASES, SPECIAL_CASES
+from test_conformance import (
+    BROADCAST_CASES,
+    DPA_CASES,
+    INFINITE_BIAS_CASES,
+    SHAPE_CASES,
+    SPECIAL_CASES,
+)
 
 from jax_dmattn import _ffi, flash_dmattn
 from jax_dmattn.params import AttentionParams
@@ -49,6 +57,10 @@ HEAD_DIM_CASES = [
 ] + [_on_gpu(c, "bfloat16", 128) for c in SHAPE_CASES[10:]]
 PATTERN_CASES = [_on_gpu(c, dtype) for c in BROADCAST_CASES for dtype in HALF_DTYPES]
 GPU_SPECIAL_CASES = [_on_gpu(c, dtype) for c in SPECIAL_CASES + DPA_CASES for dtype in HALF_DTYPES]
+# -inf bias elements through every forward and backward generation (the last: the Hopper kernels)
+INFINITE_BIAS_GPU_CASES = [
+    _on_gpu(c, dtype, d) for c in INFINITE_BIAS_CASES for dtype in HALF_DTYPES for d in (64, 128)
+] + [Case(B=1, Lq=512, Lk=1024, H=4, Hk=2, D=128, dtype="bfloat16", causal=True, bias=FULL)]
 
 
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=cases_ids(HEAD_DIM_CASES))
@@ -64,6 +76,12 @@ def test_broadcast_patterns(case):
 @pytest.mark.parametrize("case", GPU_SPECIAL_CASES, ids=cases_ids(GPU_SPECIAL_CASES))
 def test_special(case):
     check_case(case, IMPL)
+
+
+@pytest.mark.parametrize("case", INFINITE_BIAS_GPU_CASES, ids=cases_ids(INFINITE_BIAS_GPU_CASES))
+def test_infinite_bias_hides_keys(case):
+    """A -inf bias element hides its key as a mask would (test_conformance's test, on CUDA)."""
+    check_case(case, IMPL, with_infinite_bias(case, make_inputs(case)))
 
 
 # Grids too small to fill the GPU (decoding): the forward splits the keys and merges the parts.
