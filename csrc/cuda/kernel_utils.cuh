@@ -652,7 +652,8 @@ __device__ __forceinline__ void online_softmax(float (&sc)[MT][NTS][4], float (&
       }
     }
   }
-  if (kSkipHeld && __any_sync(0xffffffffu, grew)) {
+  if constexpr (kSkipHeld) {
+    if (!__any_sync(0xffffffffu, grew)) return;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
