@@ -14,14 +14,15 @@
 // With split-KV each CTA writes a partial result as the FlashAttention-2-class forward's splits
 // do; the last CTA of a (batch, kv head, row block) to finish merges them (fwd_combine.cuh's
 // combine_row), counted in FwdParams::split_counters.
-// Mask and bias elements are read straight from global memory into the score layout (a row of
-// at most kDecodeBlockN keys a tile, beside K/V tiles of kDecodeBlockN x D), two keys a load where
-// the rows allow; the bias a tile ahead of its use.
+// Mask elements are read straight from global memory into the score layout (a row of at most
+// kDecodeBlockN keys a tile, beside K/V tiles of kDecodeBlockN x D), two keys a load where the
+// rows allow; the bias a tile ahead of its use, as decode_bias.cuh says.
 #pragma once
 
 #include <cmath>
 
 #include "cuda/block_map.cuh"
+#include "cuda/decode_bias.cuh"
 #include "cuda/fwd_combine.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/kernel_utils.cuh"
@@ -205,9 +206,16 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
     const int n = upcoming;
     const int64_t first = kPaged ? s.pages.row_in(upcoming_page, n * BN)
                                  : static_cast<int64_t>(n) * BN;
-    load_tile_async<BN, D, NT>(sK, kg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN, tid);
-    load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, L.kv_len - n * BN,
-                               tid);
+    const int valid = L.kv_len - n * BN;
+    // All tiles but the last are whole: their loads skip the bounds test (56 instructions a
+    // warp and tile instead of 115).
+    if (valid >= BN) {
+      load_tile_async<BN, D, NT, false>(sK, kg_ptr + first * kv_rs, kv_rs, BN, tid);
+      load_tile_async<BN, D, NT, false>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, BN, tid);
+    } else {
+      load_tile_async<BN, D, NT>(sK, kg_ptr + first * kv_rs, kv_rs, valid, tid);
+      load_tile_async<BN, D, NT>(sK + BN * D, vg_ptr + first * kv_rs, kv_rs, valid, tid);
+    }
   };
   if (n_hi > n_lo) advance(n_hi - 1);
   // In flight: the tiles of slots read_slot, read_slot + 1, ... (n_lo - 1: none).
@@ -232,46 +240,9 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
   const FragAddr<RM, D> fq(sQ, row_group * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                            (lane >> 4) * 8);
 
-  // A thread's bias elements of tile n, two adjacent keys a word (in one load where the bias's
-  // rows allow: bias_vec), loaded a tile ahead of their use so that their latency hides behind a
-  // tile's work (harness, B8 Lq16 Lk32k H32/Hk8, a per-key bias over none: +27 % loaded where
-  // used, +22 % a tile ahead).
-  // Both of a thread's rows read one bias row where the bias is broadcast over queries and 8
-  // packed rows apart are the same head (G divides 8): the per-key bias of GQA decoding. There,
-  // with two warps a scheduler each issuing about once in five cycles, the time follows the
-  // instruction count, so the row is read, unpacked and scaled once for both (H200: the bias's
-  // cost 1.27x -> 1.12x, benchmarks/results/logs/decode_bias_profile_h200.md).
-  const bool one_bias_row = row[0].bias == row[1].bias;
-  auto load_bias_row = [&](int n, int half, uint32_t (&pairs)[NTS]) {
-    const uint16_t* bias = static_cast<const uint16_t*>(row[half].bias);
-    const int j_first = n * BN + kg * KW + 2 * tq;  // the thread's key of t = 0
-    if (bias != nullptr && p.bias_vec && n * BN + (kg + 1) * KW <= L.kv_len) {
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(bias + j_first);
-#pragma unroll
-      for (int t = 0; t < NTS; ++t) pairs[t] = __ldg(words + t * 4);
-      return;
-    }
-#pragma unroll
-    for (int t = 0; t < NTS; ++t) {
-      const int j = j_first + t * 8;
-      pairs[t] = 0;
-      if (bias == nullptr || j >= L.kv_len) continue;
-      if (p.bias_vec) {
-        pairs[t] = __ldg(reinterpret_cast<const uint32_t*>(bias + j));
-      } else {
-        pairs[t] = __ldg(bias + j * s.bias.col_stride);
-        if (j + 1 < L.kv_len) {
-          pairs[t] |= static_cast<uint32_t>(__ldg(bias + (j + 1) * s.bias.col_stride)) << 16;
-        }
-      }
-    }
-  };
-  auto load_bias = [&](int n, uint32_t (&pairs)[2][NTS]) {
-    load_bias_row(n, 0, pairs[0]);
-    if (!one_bias_row) load_bias_row(n, 1, pairs[1]);
-  };
-  uint32_t next_bias[2][NTS];
-  if (has_bias && queued[0] >= n_lo) load_bias(queued[0], next_bias);
+  // S's start, bias / scale, read a tile ahead (decode_bias.cuh)
+  DecodeBias<BN, KW, NTS, T> bias(p, {row[0].bias, row[1].bias}, kg * KW, L.kv_len, lane);
+  if (bias.present() && queued[0] >= n_lo) bias.load(queued[0]);
 
   // ---- main loop over the visible tiles ------------------------------------------------------
   for (int read_slot = 0; queued[0] >= n_lo; read_slot = read_slot + 1 == S ? 0 : read_slot + 1) {
@@ -294,12 +265,6 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
       }
       cp_async_commit();
     }
-    uint32_t bias_pairs[2][NTS] = {};
-    if (has_bias) {
-      for_each_index<2, NTS, 1>(
-          [&](int half, int t, int) { bias_pairs[half][t] = next_bias[half][t]; });
-      if (queued[0] >= n_lo) load_bias(queued[0], next_bias);
-    }
     const T* sK = ring + read_slot * 2 * BN * D;
     const T* sV = sK + BN * D;
     const FragAddr<BN, D> fk(sK, (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
@@ -310,23 +275,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
 
     // S = bias / scale + Q K^T
     float sc[NTS][4];
-    auto scale_bias = [&](int half) {
-#pragma unroll
-      for (int t = 0; t < NTS; ++t) {
-        const float2 x = E::unpack_fast(bias_pairs[half][t]);
-        sc[t][2 * half] = x.x * p.bias_mul;
-        sc[t][2 * half + 1] = x.y * p.bias_mul;
-      }
-    };
-    if (!has_bias) {
-      for_each_element<1, NTS>([&](int, int t, int e) { sc[t][e] = 0.f; });
-    } else if (one_bias_row) {
-      scale_bias(0);
-      for_each_index<1, NTS, 2>([&](int, int t, int e) { sc[t][2 + e] = sc[t][e]; });
-    } else {
-      scale_bias(0);
-      scale_bias(1);
-    }
+    bias.start(sc);
+    if (bias.present() && queued[0] >= n_lo) bias.load(queued[0]);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
@@ -375,8 +325,8 @@ __global__ void __launch_bounds__(Tr::kNT, 2) decode_kernel(const __grid_constan
       });
     }
 
-    online_softmax<1, NTS, NTO>(reinterpret_cast<float(&)[1][NTS][4]>(sc), row_m, row_l,
-                                reinterpret_cast<float(&)[1][NTO][4]>(o), p.softmax_mul);
+    online_softmax<1, NTS, NTO, true>(reinterpret_cast<float(&)[1][NTS][4]>(sc), row_m, row_l,
+                                      reinterpret_cast<float(&)[1][NTO][4]>(o), p.softmax_mul);
 
     // O += P V
 #pragma unroll

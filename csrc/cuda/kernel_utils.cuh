@@ -184,8 +184,9 @@ struct SwizzledTile {
 };
 
 // Loads a ROWS x COLS tile of a row-major [*, row_stride] 16-bit matrix into a swizzled tile;
-// rows >= valid_rows are zero-filled (their source is never read).
-template <int ROWS, int COLS, int NT, typename T>
+// rows >= valid_rows are zero-filled (their source is never read). kBounded = false: the caller
+// knows every row valid, and the loads carry no bounds test.
+template <int ROWS, int COLS, int NT, bool kBounded = true, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride,
                                                 int valid_rows, int tid) {
   using Tile = SwizzledTile<ROWS, COLS>;
@@ -203,7 +204,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
     const int64_t step = kRowStep * row_stride;
 #pragma unroll
     for (int i = 0; i < kChunks / NT; ++i) {
-      const bool ok = r + i * kRowStep < valid_rows;
+      const bool ok = !kBounded || r + i * kRowStep < valid_rows;
       cp_async16(dst + i * kRowStep * Tile::KB * 2, ok ? src : gmem, ok ? 16 : 0);
       src += step;
     }
@@ -213,7 +214,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
       const int id = tid + i * NT;
       const int r = id / kChunksPerRow;
       const int c = (id % kChunksPerRow) * 8;
-      const bool ok = r < valid_rows;
+      const bool ok = !kBounded || r < valid_rows;
       const T* src = ok ? gmem + r * row_stride + c : gmem;
       cp_async16(smem_u32(smem + Tile::off(r, c)), src, ok ? 16 : 0);
     }
@@ -602,10 +603,15 @@ __device__ __forceinline__ void for_each_pair(F f) {
 // Each row's running max (in accumulator units) and sum take in the block's scores, which become
 // exp2((s - max) * softmax_mul); O is rescaled by the change of max. A row with no visible score
 // yet keeps max -inf and sum 0.
-template <int MT, int NTS, int NTO>
+// kSkipHeld: a row whose max held keeps its sum's factor exactly 1, and O is rescaled only where
+// some row of the warp has a max that grew (in decoding, after the first tiles, rarely: 64 of a
+// warp's ~700 instructions a tile).
+template <int MT, int NTS, int NTO, bool kSkipHeld = false>
 __device__ __forceinline__ void online_softmax(float (&sc)[MT][NTS][4], float (&row_m)[2 * MT],
                                                float (&row_l)[2 * MT], float (&o)[MT][NTO][4],
                                                float softmax_mul) {
+  float corrs[2 * MT];
+  bool grew = false;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -619,7 +625,12 @@ __device__ __forceinline__ void online_softmax(float (&sc)[MT][NTS][4], float (&
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_sc = (mx == -INFINITY) ? 0.f : mx * softmax_mul;
-      const float corr = fast_exp2(row_m[r] * softmax_mul - m_sc);
+      float corr = fast_exp2(row_m[r] * softmax_mul - m_sc);
+      if constexpr (kSkipHeld) {
+        grew = grew || mx != row_m[r];
+        if (mx == row_m[r]) corr = 1.f;
+      }
+      corrs[r] = corr;
       row_m[r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -632,12 +643,23 @@ __device__ __forceinline__ void online_softmax(float (&sc)[MT][NTS][4], float (&
         }
       }
       row_l[r] = row_l[r] * corr + sum;
+      if constexpr (!kSkipHeld) {
 #pragma unroll
-      for (int t = 0; t < NTO; ++t) {
-        o[mt][t][2 * half] *= corr;
-        o[mt][t][2 * half + 1] *= corr;
+        for (int t = 0; t < NTO; ++t) {
+          o[mt][t][2 * half] *= corr;
+          o[mt][t][2 * half + 1] *= corr;
+        }
       }
     }
+  }
+  if constexpr (kSkipHeld) {
+    if (!__any_sync(0xffffffffu, grew)) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < NTO; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][t][e] *= corrs[2 * mt + e / 2];
   }
 }
 
