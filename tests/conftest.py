@@ -75,6 +75,14 @@ def _skip_uncompiled(items) -> None:
 # ---- a CUDA build seen from a machine without one ---------------------------------------------
 
 
+def hopper_kernels_built() -> bool:
+    """The local GPU is a Hopper and this build has its sm_90a kernels."""
+    from jax_dmattn import _ffi
+
+    return ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
+            and "90a" in _ffi.build_info()["cuda_archs"])
+
+
 def fake_cuda_build(monkeypatch, head_dims: list[int], **extra) -> None:
     """Makes jax_dmattn see a CUDA build with bf16 / fp16 kernels of `head_dims` for sm_90a on an
     sm_90 GPU (`extra`: more build_info entries), its fallback warnings not yet given."""

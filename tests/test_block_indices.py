@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fake_cuda_build, record_ffi_calls
+from conftest import fake_cuda_build, hopper_kernels_built, record_ffi_calls
 from form_checks import (
     assert_cuda_lowering_reads,
     assert_cuda_with_every_rule,
@@ -96,6 +96,10 @@ GPU_CASES = [
     (1, 257, 700, 8, 2, 64, 8, 1, 48, 80, 5, False, "keys", jnp.float16),
     (2, 330, 200, 4, 1, 256, 1, 2, 80, 48, 3, True, None, jnp.bfloat16),
     (1, 1024, 1024, 16, 4, 128, 4, 1, 128, 100, 4, True, "keys", jnp.bfloat16),
+    # blocks of whole 128 x 128 tiles, nothing beside them: the Hopper forward's walk on sm_90a
+    # (test_cuda_block_indices_dispatch); Lk off the tiles, GQA, indices per kv head and shared
+    (2, 1000, 900, 8, 2, 128, 2, 2, 128, 128, 3, True, None, jnp.bfloat16),
+    (1, 700, 1300, 4, 4, 64, 1, 1, 256, 128, 4, False, None, jnp.float16),
 ]
 
 
@@ -143,6 +147,27 @@ def test_cuda_matches_float64_reference(case):
     """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
     the CPU kernels above."""
     _check_against_reference(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_block_indices_dispatch():
+    """On a Hopper GPU of an sm_90a build, block indices alone whose blocks are whole 128 x 128
+    tiles run the Hopper forward (it skips the unlisted tiles and tests no score); finer blocks,
+    another form, a bias or D = 256 beside them run the FlashAttention-2-class forward."""
+    require_cuda_kernel(128, jnp.bfloat16)
+    q, k = (2, 2048, 16, 128), (2, 2048, 4, 128)
+
+    def kernel(block_q: int, block_k: int, q=q, k=k, **forms) -> str:
+        indices = (2, 4, num_blocks(2048, block_q), 4)
+        return _ffi.cuda_forward_kernel(q, k, block_indices=indices, block_q=block_q,
+                                        block_k=block_k, **forms)
+
+    assert kernel(128, 256) == ("hopper" if hopper_kernels_built() else "flash2")
+    for block_q, block_k in ((64, 128), (128, 64), (192, 128)):
+        assert kernel(block_q, block_k) == "flash2", (block_q, block_k)
+    assert kernel(128, 128, bias_shape=(1, 16, 1, 2048)) == "flash2"
+    assert kernel(128, 128, key_ranges=(1, 4, 1, 2048)) == "flash2"
+    assert kernel(128, 128, q=(2, 2048, 16, 256), k=(2, 2048, 4, 256)) == "flash2"
 
 
 @pytest.mark.gpu

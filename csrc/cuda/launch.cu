@@ -257,6 +257,17 @@ HeadWindows KernelHeadWindows(const AttentionShape& s) {
   return w;
 }
 
+// Block indices on the Hopper forward: alone (no other form, mask, bias, segment ids, window
+// table, gate or threshold beside them), at D <= 128, their blocks whole multiples of its 128 x
+// 128 tile, so that each tile is skipped or whole (its kernels test no score against them).
+// Finer blocks run the FlashAttention-2-class 64 x 64 tile (FinerBlocks), ranges its tiles.
+bool HopperTakesForms(const AttentionShape& s) {
+  return s.block_indices.present && !s.key_ranges.present && !s.row_ranges.present &&
+         s.block_q % 128 == 0 && s.block_k % 128 == 0 && s.head_dim <= 128 && !s.mask.present &&
+         !s.bias.present && !s.has_segments && s.head_windows == nullptr && !s.has_gate &&
+         s.softmax_threshold == 0.0;
+}
+
 }  // namespace
 
 void SetForwardKernel(ForwardKernel kernel) {
@@ -277,7 +288,8 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
+         !(s.has_segments && s.head_windows != nullptr) &&
+         (!s.has_mask_forms() || HopperTakesForms(s)) &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
                           !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f)) &&
          (s.softmax_threshold == 0.0 || (ThresholdTakes(s) && !s.has_gate && !s.has_segments &&

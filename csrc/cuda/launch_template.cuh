@@ -321,6 +321,10 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
         if constexpr (D <= 128) {
           e = sm90::RunForward<typename Config::GateTraits, T>(params, stream);
         }
+      } else if (params.forms.present) {  // likewise
+        if constexpr (D <= 128) {
+          e = sm90::RunForward<typename Config::FormsTraits, T>(params, stream);
+        }
       } else if (!operands && !segments) {
         e = table ? sm90::RunForward<typename Config::TableTraits, T>(params, stream)
                   : sm90::RunForward<typename Config::Traits, T>(params, stream);

@@ -161,4 +161,18 @@ struct MaskFormsView {
   }
 };
 
+// What the forms leave of the BM x BN tiles of query rows m0.. (key block t): a walk's flags
+// (TileWalk, block_map.cuh) in kernels whose only index masks are the forms (the Hopper
+// forward's kForms kernels, whose tiles the forms hide or leave whole). The view is built where
+// the flags are read, as IndexMasks does.
+template <int BM, int BN>
+struct FormKeyTileFlags {
+  const MaskForms* forms;
+  FormEntries entries;
+  int m0;
+  __device__ __forceinline__ int operator()(int t) const {
+    return MaskFormsView(*forms, entries).tile<BM, BN>(m0, t * BN);
+  }
+};
+
 }  // namespace dmattn::cuda::detail
