@@ -96,8 +96,9 @@ GPU_CASES = [
     (1, 257, 700, 8, 2, 64, 8, 1, 48, 80, 5, False, "keys", jnp.float16),
     (2, 330, 200, 4, 1, 256, 1, 2, 80, 48, 3, True, None, jnp.bfloat16),
     (1, 1024, 1024, 16, 4, 128, 4, 1, 128, 100, 4, True, "keys", jnp.bfloat16),
-    # blocks of whole 128 x 128 tiles, nothing beside them: the Hopper forward's walk on sm_90a
-    # (test_cuda_block_indices_dispatch); Lk off the tiles, GQA, indices per kv head and shared
+    # blocks of whole 128 x 128 tiles, nothing beside them: the Hopper forward's and backward's
+    # walks on sm_90a (test_cuda_block_indices_dispatch); Lk off the tiles, GQA, indices per kv
+    # head and shared
     (2, 1000, 900, 8, 2, 128, 2, 2, 128, 128, 3, True, None, jnp.bfloat16),
     (1, 700, 1300, 4, 4, 64, 1, 1, 256, 128, 4, False, None, jnp.float16),
 ]

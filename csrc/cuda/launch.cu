@@ -257,14 +257,12 @@ HeadWindows KernelHeadWindows(const AttentionShape& s) {
   return w;
 }
 
-// Block indices on the Hopper forward: alone (no other form, mask, bias, segment ids, window
-// table, gate or threshold beside them), at D <= 128, their blocks whole multiples of its 128 x
-// 128 tile, so that each tile is skipped or whole (its kernels test no score against them).
+// Block indices on the Hopper forward: alone, their blocks whole tiles (WholeTileBlockIndices),
+// at D <= 128, with no mask, bias, segment ids, window table, gate or threshold beside them.
 // Finer blocks run the FlashAttention-2-class 64 x 64 tile (FinerBlocks), ranges its tiles.
 bool HopperTakesForms(const AttentionShape& s) {
-  return s.block_indices.present && !s.key_ranges.present && !s.row_ranges.present &&
-         s.block_q % 128 == 0 && s.block_k % 128 == 0 && s.head_dim <= 128 && !s.mask.present &&
-         !s.bias.present && !s.has_segments && s.head_windows == nullptr && !s.has_gate &&
+  return WholeTileBlockIndices(s) && s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
+         !s.has_segments && s.head_windows == nullptr && !s.has_gate &&
          s.softmax_threshold == 0.0;
 }
 

@@ -161,10 +161,10 @@ struct MaskFormsView {
   }
 };
 
-// What the forms leave of the BM x BN tiles of query rows m0.. (key block t): a walk's flags
-// (TileWalk, block_map.cuh) in kernels whose only index masks are the forms (the Hopper
-// forward's kForms kernels, whose tiles the forms hide or leave whole). The view is built where
-// the flags are read, as IndexMasks does.
+// What the forms leave of the BM x BN tiles of query rows m0.. (key block t), and of key columns
+// n0.. (query block t): walks' flags (TileWalk, block_map.cuh) in kernels whose only index masks
+// are the forms, which hide each tile or leave it whole (the Hopper kernels' kForms). The view
+// is built where the flags are read, as IndexMasks does.
 template <int BM, int BN>
 struct FormKeyTileFlags {
   const MaskForms* forms;
@@ -172,6 +172,15 @@ struct FormKeyTileFlags {
   int m0;
   __device__ __forceinline__ int operator()(int t) const {
     return MaskFormsView(*forms, entries).tile<BM, BN>(m0, t * BN);
+  }
+};
+template <int BM, int BN>
+struct FormQueryTileFlags {
+  const MaskForms* forms;
+  FormEntries entries;
+  int n0;
+  __device__ __forceinline__ int operator()(int t) const {
+    return MaskFormsView(*forms, entries).tile<BM, BN>(t * BM, n0);
   }
 };
 

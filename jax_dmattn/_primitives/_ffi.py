@@ -365,7 +365,7 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     ``[B|1, Lk]``, key ranges ``[B|1, H|Hk|1, 1, Lk]``, row ranges ``[B|1, H|Hk|1, Lq, 1]``, block
     indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
     mask forms run the FlashAttention-2-class forward, but for block indices alone whose block
-    sizes are multiples of 128 at D <= 128, which the Hopper forward takes); the gate by the
+    sizes are multiples of 128 at D <= 128, which the Hopper kernels take); the gate by the
     shapes of alpha ``[B, Lq, H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at
     D = 256 or with a mask, bias, segment ids, window table or softcap run the
     FlashAttention-2-class forward); with a softmax threshold, ``"hopper"``, ``"flash2"`` or
