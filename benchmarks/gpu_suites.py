@@ -557,8 +557,8 @@ def suite_sinks(bench: Bench) -> tuple[list[dict], list[str]]:
 
 # The blocks suite's configurations (block size, listed key blocks per query block) and the
 # acceptance bounds over the same problem without a mask: issue 24's 64-blocks (top 16 of 256),
-# and issues 22 / 23's 10 % block density as 128-blocks (top 13 of 128), which the Hopper forward
-# walks on sm_90a (whole tiles; finer blocks run the FlashAttention-2-class 64 x 64 tile).
+# and issues 22 / 23's 10 % block density as 128-blocks (top 13 of 128). On sm_90a the Hopper
+# forward walks both (csrc/cuda/README.md: the O(L) mask forms), the Hopper backward the 128-blocks.
 BLOCKS_CONFIGS = ((64, 16, "issue 24: ≤ 0.1×"), (128, 13, "issues 22 / 23: ≤ 0.12×"))
 
 

@@ -87,6 +87,18 @@ CASES = [
 ]
 
 
+# Block indices alone whose blocks hold whole tiles: the Hopper forward's walks on sm_90a (blocks
+# of multiples of 64 x 64; 64-key tiles where the key blocks are not multiples of 128, and each
+# consumer warpgroup passing the blocks only the other's query block lists where the query blocks
+# have 64 rows), the Hopper backward's where the key blocks are multiples of 128
+# (test_cuda_block_indices_dispatch; grids large enough not to split their keys); Lk off the tiles,
+# causality, GQA, indices per kv head, and per query head broadcast over the batch.
+HOPPER_BLOCK_CASES = [
+    (2, 1000, 900, 8, 2, 128, 2, 2, 128, 128, 3, True, None, jnp.bfloat16),
+    (2, 700, 1300, 32, 8, 64, 32, 1, 64, 128, 4, False, None, jnp.float16),
+    (2, 1000, 1100, 16, 4, 128, 16, 1, 64, 64, 6, True, None, jnp.bfloat16),
+]
+
 # The CUDA kernels' cases: head dims 64 / 128 / 256, bf16 and fp16, block sizes that are multiples
 # of 64 and that are not (48, 80, 100: a block straddles the kernels' tiles), GQA with indices per
 # kv head, per query head and shared, both bias shapes; the last grid is not split over keys (the
@@ -96,11 +108,7 @@ GPU_CASES = [
     (1, 257, 700, 8, 2, 64, 8, 1, 48, 80, 5, False, "keys", jnp.float16),
     (2, 330, 200, 4, 1, 256, 1, 2, 80, 48, 3, True, None, jnp.bfloat16),
     (1, 1024, 1024, 16, 4, 128, 4, 1, 128, 100, 4, True, "keys", jnp.bfloat16),
-    # blocks of whole 128 x 128 tiles, nothing beside them: the Hopper forward's and backward's
-    # walks on sm_90a (test_cuda_block_indices_dispatch); Lk off the tiles, GQA, indices per kv
-    # head and shared
-    (2, 1000, 900, 8, 2, 128, 2, 2, 128, 128, 3, True, None, jnp.bfloat16),
-    (1, 700, 1300, 4, 4, 64, 1, 1, 256, 128, 4, False, None, jnp.float16),
+    *HOPPER_BLOCK_CASES,
 ]
 
 
@@ -152,9 +160,9 @@ def test_cuda_matches_float64_reference(case):
 
 @pytest.mark.gpu
 def test_cuda_block_indices_dispatch():
-    """On a Hopper GPU of an sm_90a build, block indices alone whose blocks are whole 128 x 128
-    tiles run the Hopper forward (it skips the unlisted tiles and tests no score); finer blocks,
-    another form, a bias or D = 256 beside them run the FlashAttention-2-class forward."""
+    """On a Hopper GPU of an sm_90a build, block indices alone whose blocks are multiples of 64 x
+    64 run the Hopper forward (it skips the unlisted tiles and tests no score); other block
+    sizes, another form, a bias or D = 256 beside them run the FlashAttention-2-class forward."""
     require_cuda_kernel(128, jnp.bfloat16)
     q, k = (2, 2048, 16, 128), (2, 2048, 4, 128)
 
@@ -163,8 +171,14 @@ def test_cuda_block_indices_dispatch():
         return _ffi.cuda_forward_kernel(q, k, block_indices=indices, block_q=block_q,
                                         block_k=block_k, **forms)
 
-    assert kernel(128, 256) == ("hopper" if hopper_kernels_built() else "flash2")
-    for block_q, block_k in ((64, 128), (128, 64), (192, 128)):
+    hopper = "hopper" if hopper_kernels_built() else "flash2"
+    for block_q, block_k in ((128, 256), (64, 128), (128, 64), (192, 128), (64, 64)):
+        assert kernel(block_q, block_k) == hopper, (block_q, block_k)
+    for batch, lq, lk, heads, kv_heads, d, iheads, ibatch, bq, bk, slots, *_ in HOPPER_BLOCK_CASES:
+        indices = (ibatch, iheads, num_blocks(lq, bq), slots)
+        assert _ffi.cuda_forward_kernel((batch, lq, heads, d), (batch, lk, kv_heads, d),
+                                        block_indices=indices, block_q=bq, block_k=bk) == hopper
+    for block_q, block_k in ((48, 128), (128, 96), (32, 64)):
         assert kernel(block_q, block_k) == "flash2", (block_q, block_k)
     assert kernel(128, 128, bias_shape=(1, 16, 1, 2048)) == "flash2"
     assert kernel(128, 128, key_ranges=(1, 4, 1, 2048)) == "flash2"

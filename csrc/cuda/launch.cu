@@ -257,11 +257,13 @@ HeadWindows KernelHeadWindows(const AttentionShape& s) {
   return w;
 }
 
-// Block indices on the Hopper forward: alone, their blocks whole tiles (WholeTileBlockIndices),
-// at D <= 128, with no mask, bias, segment ids, window table, gate or threshold beside them.
-// Finer blocks run the FlashAttention-2-class 64 x 64 tile (FinerBlocks), ranges its tiles.
+// Block indices on the Hopper forward: alone, their blocks whole multiples of 64 x 64 (each
+// consumer warpgroup's 64 rows lie in one query block, each 64- or 128-key block in one key
+// block: BlockIndicesHoldTiles), at D <= 128, with no mask, bias, segment ids, window table, gate
+// or threshold beside them. The others run the FlashAttention-2-class tiles.
 bool HopperTakesForms(const AttentionShape& s) {
-  return WholeTileBlockIndices(s) && s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
+  return BlockIndicesHoldTiles(s, 64, 64) && s.head_dim <= 128 && !s.mask.present &&
+         !s.bias.present &&
          !s.has_segments && s.head_windows == nullptr && !s.has_gate &&
          s.softmax_threshold == 0.0;
 }

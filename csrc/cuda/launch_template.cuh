@@ -323,7 +323,9 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
         }
       } else if (params.forms.present) {  // likewise
         if constexpr (D <= 128) {
-          e = sm90::RunForward<typename Config::FormsTraits, T>(params, stream);
+          e = params.s.block_k % 128 == 0
+                  ? sm90::RunForward<typename Config::template FormsTraits<128>, T>(params, stream)
+                  : sm90::RunForward<typename Config::template FormsTraits<64>, T>(params, stream);
         }
       } else if (!operands && !segments) {
         e = table ? sm90::RunForward<typename Config::TableTraits, T>(params, stream)

@@ -51,8 +51,8 @@ inline bool Takes(const BwdLaunch& l) {
   const bool gate_ok = IndexKindOf(p) == kGatedForms && p.mask == nullptr && p.bias == nullptr &&
                        p.q_segments == nullptr && !p.forms.present && p.compute_dq &&
                        p.bias_mul > 0.f;
-  // Block indices alone of whole 128 x 128 tiles (BwdTraitsSm90::kForms) beside one dQ stage.
-  const bool forms_ok = IndexKindOf(p) == kFormsAndIds && WholeTileBlockIndices(p.s) &&
+  // Block indices alone of whole 64 x 128 tiles (BwdTraitsSm90::kForms) beside one dQ stage.
+  const bool forms_ok = IndexKindOf(p) == kFormsAndIds && BlockIndicesHoldTiles(p.s, 64, 128) &&
                         p.mask == nullptr && p.bias == nullptr && p.q_segments == nullptr &&
                         p.compute_dq;
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&

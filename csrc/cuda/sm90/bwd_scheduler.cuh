@@ -109,7 +109,7 @@ struct QueryFlags {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, b);
       return {mask, p.mask != nullptr, spans, spans.keys<Tr::BN>(n0)};
     } else if constexpr (Tr::kForms) {
-      return {&p.forms, detail::FormEntries(p.forms, p.s, b, h), n0};
+      return {&p.forms, detail::FormEntries(p.forms, p.s, b, h).block, n0};
     } else {
       return mask;
     }

@@ -75,7 +75,7 @@ constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 // every kernel moved the others' register allocation, the biased consumers into spills). kGate_:
 // gated calls (gate.cuh), without a mask, bias or segment ids: each block's alpha rows and the
 // key block's delta (of the block's batch entry) come with its Q into a slot of their own.
-// kForms_: block indices alone whose blocks are whole tiles (WholeTileBlockIndices), without a
+// kForms_: block indices alone whose blocks are whole tiles (BlockIndicesHoldTiles), without a
 // mask, bias, segment ids or the gate: the scheduler's walk skips the query blocks no listed
 // block meets, and every block it queues is whole.
 template <int D_, int kDqStages_ = 1, bool kBias_ = false, bool kSegments_ = false,
@@ -139,7 +139,6 @@ struct BwdTraitsSm90 {
                 "tiles nest in the gate threshold's grid");
   static_assert(!kForms || (kDqStages == 1 && !kBias && !kSegments && !kGate),
                 "block-index kernels: one dQ stage, no bias, segment ids or gate (Takes)");
-  static_assert(128 % BM == 0 && 128 % BN == 0, "whole-tile block indices hold whole tiles");
   static constexpr uint32_t kMaskBytes = BM * BN / 8;
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
   // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.

@@ -10,6 +10,8 @@
 //         skipped by a warp none of whose rows' maxima grew)
 //   threshold kernels: S(n) dropped before its softmax where the rule says so (fwd_threshold.cuh);
 //         the next S GEMM then goes alone, with no P V beside it
+//   block-index kernels: a block only the other warpgroup's rows see is passed (its turn taken,
+//         its slots released, no GEMM); the pending P V waits for this warpgroup's next block
 //
 // The consumer warpgroups take turns at issuing their two GEMMs (named barriers kTurnBarrier):
 // one warpgroup's softmax runs under the other's GEMMs. Ring slots are released to the producer
@@ -107,6 +109,14 @@ inline constexpr bool kWarpgroupKeys = Tr::kConsumers == 3;
 template <typename Tr>
 inline constexpr int kSoftmaxChains = !Tr::kOperands && Tr::D <= 128 ? 4 : 1;
 
+// Whether this warpgroup's rows see block n of the walk (flags: its flags): in kForms kernels
+// the block indices' own bit of the warpgroup (mask_forms.cuh: kTileRows), else every block the
+// tile's walk yields.
+template <typename Tr>
+__device__ __forceinline__ bool owns_block(int flags, const ConsumerThread& th) {
+  return !Tr::kForms || (flags & (detail::kTileRows << th.wg)) != 0;
+}
+
 // A key block this warpgroup's rows cannot see: its turn taken and its ring slots released as
 // consume_tile's would be, with no GEMM (the tensor cores are left to the other warpgroups).
 template <typename Tr>
@@ -153,16 +163,22 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   const auto threshold = threshold_rows<Tr>(P, w, th);
   mbar_wait(bar.q_full(), q_parity);
   int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
-  if constexpr (kWarpgroupKeys<Tr>) {
-    // With a sink, every block of the tile (the element test hides what this warpgroup's rows
-    // do not see).
-    const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
-    const detail::BlockRange mine =
-        rule.sink > 0 ? w.keys
-                      : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
+  if constexpr (kWarpgroupKeys<Tr> || Tr::kForms) {
+    int above = w.keys.hi;  // the first block past this warpgroup's
+    if constexpr (kWarpgroupKeys<Tr>) {
+      // With a sink, every block of the tile (the element test hides what this warpgroup's rows
+      // do not see).
+      const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
+      const detail::BlockRange mine =
+          rule.sink > 0
+              ? w.keys
+              : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
+      first = max(first, mine.lo);
+      above = mine.hi;
+    }
     static_assert(Tr::kKeyStep < 0, "warpgroups' own blocks in a walk down the keys");
-    first = max(first, mine.lo);
-    for (; n >= first && n >= mine.hi; n = walk.next(n - 1, &flags)) {
+    for (; n >= first && (n >= above || !owns_block<Tr>(flags, th));
+         n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);
     }
     if (n < first) {  // none of the tile's blocks is this warpgroup's
@@ -239,7 +255,9 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   };
   auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
   for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
-    if (!Tr::kThreshold || live) {
+    if (!owns_block<Tr>(flags, th)) {  // only the other warpgroup's rows see it
+      pass_block<Tr>(P, flags, bar, ring, operands, th);
+    } else if (!Tr::kThreshold || live) {
       step(std::true_type{});
     } else {
       step(std::false_type{});

@@ -203,7 +203,7 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
                                             end);
     } else if constexpr (Tr::kForms) {
       return detail::TileWalk<kStep, Flags>(
-          true, {&p.forms, detail::FormEntries(p.forms, p.s, w.b, w.h), w.m0}, end);
+          true, {&p.forms, detail::FormEntries(p.forms, p.s, w.b, w.h).block, w.m0}, end);
     } else {
       return detail::TileWalk<kStep, Flags>(has_mask, mask, end);
     }
