@@ -350,15 +350,20 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     return out
 
 
-def with_infinite_bias(case: Case, inputs: dict) -> dict[str, np.ndarray]:
-    """`inputs` with a third of the bias elements and every key of the first bias row set to
-    -inf: keys the bias alone hides, as a mask would (rows of that bias row see no key; under a
-    softcap the score is -softcap instead)."""
-    rng = np.random.default_rng(case.seed + 1)
-    bias = inputs["bias"].copy()
+def infinite_bias_elements(rng: np.random.Generator, bias: np.ndarray) -> np.ndarray:
+    """A copy of `bias` with a third of its elements and every key of its first row set to -inf:
+    keys the bias alone hides, as a mask would (rows of that bias row see no key; under a softcap
+    the score is -softcap instead)."""
+    bias = bias.copy()
     bias[rng.random(bias.shape) < 1 / 3] = -np.inf
     bias[(0,) * (bias.ndim - 1)] = -np.inf
-    return {**inputs, "bias": bias}
+    return bias
+
+
+def with_infinite_bias(case: Case, inputs: dict) -> dict[str, np.ndarray]:
+    """`inputs` with infinite_bias_elements in the bias."""
+    rng = np.random.default_rng(case.seed + 1)
+    return {**inputs, "bias": infinite_bias_elements(rng, inputs["bias"])}
 
 
 # ---- running a case ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import infinite_bias_elements
 from form_checks import (
     assert_close,
     assert_results_close,
@@ -218,8 +219,7 @@ def inputs(case: DecodeCase, salt: str = "") -> tuple:
     if case.bias is not None:
         bias = rng.standard_normal(case.resolve(case.bias))
         if case.infinite_bias:
-            bias[rng.random(bias.shape) < 1 / 3] = -np.inf
-            bias[(0,) * (bias.ndim - 1)] = -np.inf
+            bias = infinite_bias_elements(rng, bias)
         bias = jnp.asarray(bias, dtype)
     return q, k, v, mask, bias
 
