@@ -38,6 +38,14 @@ def gpu_available() -> bool:
             and "cuda" in jax_dmattn.available_implementations())
 
 
+def hopper_kernels_built() -> bool:
+    """The local GPU is a Hopper and this build has its sm_90a kernels."""
+    from jax_dmattn import _ffi
+
+    return ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
+            and "90a" in _ffi.build_info()["cuda_archs"])
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

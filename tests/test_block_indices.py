@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fake_cuda_build, record_ffi_calls
+from conftest import fake_cuda_build, hopper_kernels_built, record_ffi_calls
 from form_checks import (
     assert_cuda_lowering_reads,
     assert_cuda_with_every_rule,
@@ -87,6 +87,18 @@ CASES = [
 ]
 
 
+# Block indices alone whose blocks hold whole tiles: the Hopper forward's walks on sm_90a (blocks
+# of multiples of 64 x 64; 64-key tiles where the key blocks are not multiples of 128, and each
+# consumer warpgroup passing the blocks only the other's query block lists where the query blocks
+# have 64 rows), the Hopper backward's where the key blocks are multiples of 128
+# (test_cuda_block_indices_dispatch; grids large enough not to split their keys); Lk off the tiles,
+# causality, GQA, indices per kv head, and per query head broadcast over the batch.
+HOPPER_BLOCK_CASES = [
+    (2, 1000, 900, 8, 2, 128, 2, 2, 128, 128, 3, True, None, jnp.bfloat16),
+    (2, 700, 1300, 32, 8, 64, 32, 1, 64, 128, 4, False, None, jnp.float16),
+    (2, 1000, 1100, 16, 4, 128, 16, 1, 64, 64, 6, True, None, jnp.bfloat16),
+]
+
 # The CUDA kernels' cases: head dims 64 / 128 / 256, bf16 and fp16, block sizes that are multiples
 # of 64 and that are not (48, 80, 100: a block straddles the kernels' tiles), GQA with indices per
 # kv head, per query head and shared, both bias shapes; the last grid is not split over keys (the
@@ -96,6 +108,7 @@ GPU_CASES = [
     (1, 257, 700, 8, 2, 64, 8, 1, 48, 80, 5, False, "keys", jnp.float16),
     (2, 330, 200, 4, 1, 256, 1, 2, 80, 48, 3, True, None, jnp.bfloat16),
     (1, 1024, 1024, 16, 4, 128, 4, 1, 128, 100, 4, True, "keys", jnp.bfloat16),
+    *HOPPER_BLOCK_CASES,
 ]
 
 
@@ -143,6 +156,33 @@ def test_cuda_matches_float64_reference(case):
     """The CUDA kernels (implementation="cuda": no fallback) against the float64 reference, as
     the CPU kernels above."""
     _check_against_reference(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_block_indices_dispatch():
+    """On a Hopper GPU of an sm_90a build, block indices alone whose blocks are multiples of 64 x
+    64 run the Hopper forward (it skips the unlisted tiles and tests no score); other block
+    sizes, another form, a bias or D = 256 beside them run the FlashAttention-2-class forward."""
+    require_cuda_kernel(128, jnp.bfloat16)
+    q, k = (2, 2048, 16, 128), (2, 2048, 4, 128)
+
+    def kernel(block_q: int, block_k: int, q=q, k=k, **forms) -> str:
+        indices = (2, 4, num_blocks(2048, block_q), 4)
+        return _ffi.cuda_forward_kernel(q, k, block_indices=indices, block_q=block_q,
+                                        block_k=block_k, **forms)
+
+    hopper = "hopper" if hopper_kernels_built() else "flash2"
+    for block_q, block_k in ((128, 256), (64, 128), (128, 64), (192, 128), (64, 64)):
+        assert kernel(block_q, block_k) == hopper, (block_q, block_k)
+    for batch, lq, lk, heads, kv_heads, d, iheads, ibatch, bq, bk, slots, *_ in HOPPER_BLOCK_CASES:
+        indices = (ibatch, iheads, num_blocks(lq, bq), slots)
+        assert _ffi.cuda_forward_kernel((batch, lq, heads, d), (batch, lk, kv_heads, d),
+                                        block_indices=indices, block_q=bq, block_k=bk) == hopper
+    for block_q, block_k in ((48, 128), (128, 96), (32, 64)):
+        assert kernel(block_q, block_k) == "flash2", (block_q, block_k)
+    assert kernel(128, 128, bias_shape=(1, 16, 1, 2048)) == "flash2"
+    assert kernel(128, 128, key_ranges=(1, 4, 1, 2048)) == "flash2"
+    assert kernel(128, 128, q=(2, 2048, 16, 256), k=(2, 2048, 4, 256)) == "flash2"
 
 
 @pytest.mark.gpu

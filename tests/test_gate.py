@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fake_cuda_build, record_ffi_calls
+from conftest import fake_cuda_build, hopper_kernels_built, record_ffi_calls
 from form_checks import (
     assert_close,
     assert_vmap_matches_each,
@@ -638,8 +638,7 @@ def test_cuda_gated_calls_dispatch_and_threshold_bounds_workspace():
     require_cuda_kernel(128, jnp.bfloat16)
     q, k, dk = (2, 1000, 16, 128), (2, 900, 4, 128), (2, 900, 4, 128)
     alpha, delta = (2, 1000, 16), (2, 900, 4)
-    hopper = ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
-              and "90a" in _ffi.build_info()["cuda_archs"])
+    hopper = hopper_kernels_built()
     for threshold in (None, -1.0):
         assert _ffi.cuda_forward_kernel(q, k, gate=(alpha, delta), gate_threshold=threshold) == (
             "hopper" if hopper else "flash2")

@@ -18,6 +18,7 @@ from conftest import (
     assert_close,
     cases_ids,
     check_case,
+    hopper_kernels_built,
     make_inputs,
     reference,
     reference_jit,
@@ -160,16 +161,10 @@ HOPPER_CASES = [
 ]
 
 
-def _hopper_forward_built() -> bool:
-    """The GPU is a Hopper and this build has its sm_90a kernels."""
-    return ((_ffi.local_gpu_compute_capability() or "").startswith("9.")
-            and "90a" in _ffi.build_info()["cuda_archs"])
-
-
 @pytest.mark.parametrize("kernel", ["auto", "flash2"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=cases_ids(HOPPER_CASES))
 def test_forward_generations(case, kernel):
-    if kernel == "auto" and _hopper_forward_built() and case.D in _ffi.cuda_head_dims():
+    if kernel == "auto" and hopper_kernels_built() and case.D in _ffi.cuda_head_dims():
         kernel_name = _ffi.cuda_forward_kernel(
             case.q_shape, case.kv_shape, case.mask and case.resolve(case.mask),
             case.bias and case.resolve(case.bias))
@@ -253,7 +248,7 @@ def test_backward_generations_deterministic(case, kernel):
 
 
 def test_forward_kernel_query():
-    hopper = "hopper" if _hopper_forward_built() else "flash2"
+    hopper = "hopper" if hopper_kernels_built() else "flash2"
     q, k = (8, 4096, 16, 128), (8, 4096, 16, 128)
     assert _ffi.cuda_forward_kernel((1, 1, 8, 128), (1, 4096, 8, 128)) == "decode"
     assert _ffi.cuda_forward_kernel((1, 1, 8, 256), (1, 4096, 8, 256)) == "flash2_split"

@@ -257,6 +257,17 @@ HeadWindows KernelHeadWindows(const AttentionShape& s) {
   return w;
 }
 
+// Block indices on the Hopper forward: alone, their blocks whole multiples of 64 x 64 (each
+// consumer warpgroup's 64 rows lie in one query block, each 64- or 128-key block in one key
+// block: BlockIndicesHoldTiles), at D <= 128, with no mask, bias, segment ids, window table, gate
+// or threshold beside them. The others run the FlashAttention-2-class tiles.
+bool HopperTakesForms(const AttentionShape& s) {
+  return BlockIndicesHoldTiles(s, 64, 64) && s.head_dim <= 128 && !s.mask.present &&
+         !s.bias.present &&
+         !s.has_segments && s.head_windows == nullptr && !s.has_gate &&
+         s.softmax_threshold == 0.0;
+}
+
 }  // namespace
 
 void SetForwardKernel(ForwardKernel kernel) {
@@ -277,7 +288,8 @@ bool HopperForwardTakes(const AttentionShape& s, int64_t num_splits) {
          HasHopperForward(s.head_dim) && HopperReadsOperand(s, s.mask, 1) &&
          HopperReadsOperand(s, s.bias, 8) && num_splits == 1 && s.seqlen_q > 0 &&
          s.seqlen_k > 0 && (!s.has_segments || s.head_dim <= 128) &&
-         !(s.has_segments && s.head_windows != nullptr) && !s.has_mask_forms() &&
+         !(s.has_segments && s.head_windows != nullptr) &&
+         (!s.has_mask_forms() || HopperTakesForms(s)) &&
          (!s.has_gate || (s.head_dim <= 128 && !s.mask.present && !s.bias.present &&
                           !s.has_segments && s.head_windows == nullptr && s.softcap == 0.f)) &&
          (s.softmax_threshold == 0.0 || (ThresholdTakes(s) && !s.has_gate && !s.has_segments &&

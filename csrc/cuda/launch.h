@@ -35,6 +35,14 @@ constexpr FwdTile kBlockForwardTile{64, 64};
 inline bool FinerBlocks(const AttentionShape& s, int bm, int bn) {
   return s.block_indices.present && (s.block_q < bm || s.block_k < bn);
 }
+// Block indices alone (no other O(L) form) whose blocks hold whole bm x bn tiles: the Hopper
+// kernels' walks skip the tiles no listed block meets, and every other tile is whole (no score
+// tested): the forward's 64-row warpgroups against 64- or 128-key blocks, the backward's 64 x 128
+// tiles.
+inline bool BlockIndicesHoldTiles(const AttentionShape& s, int bm, int bn) {
+  return s.block_indices.present && !s.key_ranges.present && !s.row_ranges.present &&
+         s.block_q % bm == 0 && s.block_k % bn == 0;
+}
 inline FwdTile ForwardTileOf(const AttentionShape& s) {
   const FwdTile tile = ForwardTile(s.head_dim);
   return FinerBlocks(s, tile.bm, tile.bn) ? kBlockForwardTile : tile;

@@ -321,6 +321,12 @@ cudaError_t RunForward(const FwdParams& params, cudaStream_t stream) {
         if constexpr (D <= 128) {
           e = sm90::RunForward<typename Config::GateTraits, T>(params, stream);
         }
+      } else if (params.forms.present) {  // likewise
+        if constexpr (D <= 128) {
+          e = params.s.block_k % 128 == 0
+                  ? sm90::RunForward<typename Config::template FormsTraits<128>, T>(params, stream)
+                  : sm90::RunForward<typename Config::template FormsTraits<64>, T>(params, stream);
+        }
       } else if (!operands && !segments) {
         e = table ? sm90::RunForward<typename Config::TableTraits, T>(params, stream)
                   : sm90::RunForward<typename Config::Traits, T>(params, stream);
@@ -507,6 +513,7 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
   using Biased = sm90::BwdTraitsSm90<D, 1, true>;
   using Segmented = sm90::BwdTraitsSm90<D, 1, false, true>;
   using Gated = sm90::BwdTraitsSm90<D, 1, false, false, true>;
+  using Formed = sm90::BwdTraitsSm90<D, 1, false, false, false, true>;
   BwdParams p = launch.p;
   const AttentionShape& s = p.s;
   const int64_t q_elems = s.batch_count() * s.seqlen_q * s.num_heads * D;
@@ -536,6 +543,7 @@ cudaError_t RunBackwardSm90(const BwdLaunch& launch, cudaStream_t stream) {
              : p.bias != nullptr       ? sm90::RunBackwardKernel<Biased, T>
              : p.q_segments != nullptr ? sm90::RunBackwardKernel<Segmented, T>
              : p.alpha != nullptr      ? sm90::RunBackwardKernel<Gated, T>
+             : p.forms.present         ? sm90::RunBackwardKernel<Formed, T>
                                        : sm90::RunBackwardKernel<Tr, T>;
   if (cudaError_t e = run(p, ctas, stream); e != cudaSuccess) return e;
   return ConvertStagedDq<D, T>(launch, p, stream);

@@ -51,6 +51,45 @@ struct FormEntries {
   }
 };
 
+// The block indices of one (batch, query head) entry as bits: query block qb lists key block kb
+// when bit kb of row qb is set (null bits: the call has none).
+struct BlockBits {
+  const uint32_t* bits = nullptr;
+  int words = 0;
+  FastDiv div_q, div_k;
+
+  BlockBits() = default;
+  __device__ __forceinline__ BlockBits(const MaskForms& f, int entry)
+      : bits(f.block_bits + static_cast<int64_t>(entry) * f.block_rows * f.block_words),
+        words(f.block_words),
+        div_q(f.div_q),
+        div_k(f.div_k) {}
+
+  // Whether row i's query block lists key j's block (both inside the sequences).
+  __device__ __forceinline__ bool sees(int i, int j) const {
+    const int kb = div_k(j);
+    return __ldg(bits + div_q(i) * words + kb / 32) >> (kb % 32) & 1u;
+  }
+
+  // The listed blocks of rows [r0, r1) and keys [c0, c1): false when no query block there
+  // lists a key block there; *whole stays true only when each lists all of them.
+  __device__ __forceinline__ bool allow(int r0, int r1, int c0, int c1, bool* whole) const {
+    const int kb0 = div_k(c0), kb1 = div_k(c1 - 1);
+    bool any = false, every = true;
+    for (int qb = div_q(r0); qb <= div_q(r1 - 1); ++qb) {
+      for (int w = kb0 / 32; w <= kb1 / 32; ++w) {
+        const int lo = max(kb0 - 32 * w, 0), hi = min(kb1 - 32 * w, 31);
+        const uint32_t want = (0xffffffffu >> (31 - hi)) & (0xffffffffu << lo);
+        const uint32_t got = __ldg(bits + qb * words + w) & want;
+        any = any || got != 0;
+        every = every && got == want;
+      }
+    }
+    *whole = *whole && every;
+    return any;
+  }
+};
+
 // The forms, as MaskFormsView::sees names them.
 constexpr int kKeyRanges = 0, kRowRanges = 1, kBlocks = 2;
 
@@ -60,9 +99,7 @@ struct MaskFormsView {
   const int4* key_cells = nullptr;
   const int32_t *row_start = nullptr, *row_end = nullptr;
   const int4* row_cells = nullptr;
-  const uint32_t* bits = nullptr;
-  int words = 0;
-  FastDiv div_q, div_k;
+  BlockBits blocks;
   int lq, lk;
 
   __device__ __forceinline__ MaskFormsView(const MaskForms& f, FormEntries e)
@@ -77,12 +114,7 @@ struct MaskFormsView {
       row_end = f.row_end + static_cast<int64_t>(e.row) * lq;
       row_cells = f.row_cells + static_cast<int64_t>(e.row) * cells(lq);
     }
-    if (f.block_bits != nullptr) {
-      bits = f.block_bits + static_cast<int64_t>(e.block) * f.block_rows * f.block_words;
-      words = f.block_words;
-      div_q = f.div_q;
-      div_k = f.div_k;
-    }
+    if (f.block_bits != nullptr) blocks = BlockBits(f, e.block);
   }
   static __device__ __forceinline__ int cells(int n) { return (n + kRangeCell - 1) / kRangeCell; }
 
@@ -95,7 +127,7 @@ struct MaskFormsView {
     bool whole = true;
     if (key_cells != nullptr && !hull_allows<BN>(key_cells, c0, lk, r0, r1, &whole)) return 0;
     if (row_cells != nullptr && !hull_allows<BM>(row_cells, r0, lq, c0, c1, &whole)) return 0;
-    if (bits != nullptr && !blocks_allow(r0, r1, c0, c1, &whole)) return 0;
+    if (blocks.bits != nullptr && !blocks.allow(r0, r1, c0, c1, &whole)) return 0;
     return whole ? kTileAny : (kTileAny | kTileIndexed);
   }
 
@@ -106,7 +138,7 @@ struct MaskFormsView {
   __device__ __forceinline__ void each_form(Test test) const {
     if (key_start != nullptr) test([&](int i, int j) { return sees<kKeyRanges>(i, j); });
     if (row_start != nullptr) test([&](int i, int j) { return sees<kRowRanges>(i, j); });
-    if (bits != nullptr) test([&](int i, int j) { return sees<kBlocks>(i, j); });
+    if (blocks.bits != nullptr) test([&](int i, int j) { return sees<kBlocks>(i, j); });
   }
   // Score (i, j) visible by form kForm; positions past the ends read the last row or key (the
   // bounds test hides them).
@@ -119,8 +151,7 @@ struct MaskFormsView {
     } else if constexpr (kForm == kRowRanges) {
       return __ldg(row_start + i) <= j && j < __ldg(row_end + i);
     } else {
-      const int kb = div_k(j);
-      return __ldg(bits + div_q(i) * words + kb / 32) >> (kb % 32) & 1u;
+      return blocks.sees(i, j);
     }
   }
 
@@ -140,24 +171,43 @@ struct MaskFormsView {
     *whole = *whole && hull.covers(a, b);
     return hull.meets(a, b);
   }
+};
 
-  // The listed blocks of rows [r0, r1) and keys [c0, c1): false when no query block there
-  // lists a key block there; *whole stays true only when each lists all of them.
-  __device__ __forceinline__ bool blocks_allow(int r0, int r1, int c0, int c1,
-                                               bool* whole) const {
-    const int kb0 = div_k(c0), kb1 = div_k(c1 - 1);
-    bool any = false, every = true;
-    for (int qb = div_q(r0); qb <= div_q(r1 - 1); ++qb) {
-      for (int w = kb0 / 32; w <= kb1 / 32; ++w) {
-        const int lo = max(kb0 - 32 * w, 0), hi = min(kb1 - 32 * w, 31);
-        const uint32_t want = (0xffffffffu >> (31 - hi)) & (0xffffffffu << lo);
-        const uint32_t got = __ldg(bits + qb * words + w) & want;
-        any = any || got != 0;
-        every = every && got == want;
-      }
+// Walks' flags (TileWalk, block_map.cuh) in the Hopper kernels' kForms, whose calls have block
+// indices alone (BlockIndicesHoldTiles) and whose tiles they hide or leave whole: a whole tile
+// reads as all visible, as a mask's does: one bit tells a tile (or a warpgroup's rows of it), as
+// its rows lie in one query block and its keys in one key block. (A MaskFormsView of every form
+// cost the forward's producer 52 spill stores, none with the bits alone.)
+//
+// The forward's tiles of query rows m0.. (key block t) also say which of their 64-row groups (one
+// a consumer warpgroup) see them: bit kTileRows << g for rows m0 + 64 g .., so that a warpgroup
+// passes the blocks of a tile that only the other's rows see (block indices of 64-row blocks).
+constexpr int kTileRows = 8;
+template <int BM, int BN>
+struct FormKeyTileFlags {
+  static_assert(BM % 64 == 0, "64-row groups");
+  const MaskForms* forms;
+  int entry;  // FormEntries::block
+  int m0;
+  __device__ __forceinline__ int operator()(int t) const {
+    const BlockBits blocks(*forms, entry);
+    int rows = 0;
+#pragma unroll
+    for (int g = 0; g < BM / 64; ++g) {
+      const int r0 = m0 + 64 * g;
+      if (r0 < forms->lq && blocks.sees(r0, t * BN)) rows |= kTileRows << g;
     }
-    *whole = *whole && every;
-    return any;
+    return rows ? (rows | kTileAny | kTileAll) : 0;
+  }
+};
+// The backward's tiles of key columns n0.. (query block t).
+template <int BM, int BN>
+struct FormQueryTileFlags {
+  const MaskForms* forms;
+  int entry;  // FormEntries::block
+  int n0;
+  __device__ __forceinline__ int operator()(int t) const {
+    return BlockBits(*forms, entry).sees(t * BM, n0) ? (kTileAny | kTileAll) : 0;
   }
 };
 

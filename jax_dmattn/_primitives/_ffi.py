@@ -364,10 +364,12 @@ def cuda_forward_kernel(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     The index masks by their shapes as the kernels see them: segment ids ``[B|1, Lq]`` and
     ``[B|1, Lk]``, key ranges ``[B|1, H|Hk|1, 1, Lk]``, row ranges ``[B|1, H|Hk|1, Lq, 1]``, block
     indices ``[B|1, H|Hk|1, nQB, K]`` of ``block_q`` x ``block_k`` blocks (calls with the O(L)
-    mask forms run the FlashAttention-2-class forward); the gate by the shapes of alpha ``[B, Lq,
-    H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at D = 256 or with a mask,
-    bias, segment ids, window table or softcap run the FlashAttention-2-class forward); with a
-    softmax threshold, ``"hopper"``, ``"flash2"`` or ``"none"`` (no kernel applies it)."""
+    mask forms run the FlashAttention-2-class forward, but for block indices alone whose block
+    sizes are multiples of 64 at D <= 128, which the Hopper forward takes); the gate by the
+    shapes of alpha ``[B, Lq, H]`` and delta ``[B, Lk, Hk]``, with its threshold (gated calls at
+    D = 256 or with a mask, bias, segment ids, window table or softcap run the
+    FlashAttention-2-class forward); with a softmax threshold, ``"hopper"``, ``"flash2"`` or
+    ``"none"`` (no kernel applies it)."""
     def dims(shape):
         return None if shape is None else tuple(shape)
     alpha, delta = gate if gate is not None else (None, None)
@@ -391,9 +393,10 @@ def cuda_set_forward_kernel(name: str) -> None:
 
 def cuda_set_backward_kernel(name: str) -> None:
     """``"auto"`` (the dispatcher's choice, the default: on a Hopper GPU the warp-specialised
-    backward where it takes the call, i.e. head dims 64 and 128 without index masks, window
-    table or softcap, with a mask or a bias only when not deterministic, and a dbias only when it
-    is full-size without sequence lengths) or ``"flash2"`` (the FlashAttention-2-class backward
+    backward where it takes the call, i.e. head dims 64 and 128 without a window table or softcap,
+    with segment ids, the gate or block indices of multiples of 64 rows x 128 keys only alone (no
+    other O(L) mask form), with a mask or a bias only when not deterministic, and a dbias only when
+    it is full-size without sequence lengths) or ``"flash2"`` (the FlashAttention-2-class backward
     for every call), for the whole process, like :func:`cuda_set_forward_kernel` (call
     ``jax.clear_caches()`` too)."""
     _extension().cuda_set_backward_kernel(name)

@@ -20,8 +20,9 @@ namespace dmattn::cuda::sm90 {
 constexpr bool HasHopperBackward(int D) { return D == 64 || D == 128; }
 
 // True when the kernel takes the call: dense attention with lengths, causality or a window, GQA /
-// MQA, a mask, a bias, segment ids or the gate (no O(L) mask forms, window table or softcap; the
-// gate alone, with or without its threshold), dQ through the
+// MQA, a mask, a bias, segment ids, the gate or block indices of whole tiles (no other O(L) mask
+// forms, window table or softcap; the gate and the block indices alone, the gate with or
+// without its threshold), dQ through the
 // accumulator (deterministic calls: in turns, with the flags of the workspace), operands TMA can
 // address. The FlashAttention-2-class backward runs the rest.
 inline bool Takes(const BwdLaunch& l) {
@@ -50,8 +51,12 @@ inline bool Takes(const BwdLaunch& l) {
   const bool gate_ok = IndexKindOf(p) == kGatedForms && p.mask == nullptr && p.bias == nullptr &&
                        p.q_segments == nullptr && !p.forms.present && p.compute_dq &&
                        p.bias_mul > 0.f;
+  // Block indices alone of whole 64 x 128 tiles (BwdTraitsSm90::kForms) beside one dQ stage.
+  const bool forms_ok = IndexKindOf(p) == kFormsAndIds && BlockIndicesHoldTiles(p.s, 64, 128) &&
+                        p.mask == nullptr && p.bias == nullptr && p.q_segments == nullptr &&
+                        p.compute_dq;
   return setting != BackwardKernel::kFlash2 && HasHopperBackward(D) && mask_ok && bias_ok &&
-         (segments_ok || gate_ok) &&
+         (segments_ok || gate_ok || forms_ok) &&
          p.windows.heads == 0 && p.softcap == 0.f && p.dq_accum != nullptr &&
          (p.compute_dq || p.dq_turns != nullptr) && p.s.seqlen_q > 0 &&
          p.s.seqlen_k > 0 && p.s.batch_count() > 0 && aligned(p.q) && aligned(p.k) &&

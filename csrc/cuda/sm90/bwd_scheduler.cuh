@@ -17,6 +17,7 @@
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/drop_map.cuh"
 #include "cuda/gate.cuh"
+#include "cuda/mask_forms.cuh"
 #include "cuda/segments.cuh"
 #include "cuda/sm90/bwd_traits.cuh"
 
@@ -84,19 +85,21 @@ __device__ __forceinline__ void query_blocks_of(const BwdCtaWork& w, int n0,
 
 // The flags of the tiles of the key block at n0 with query block t (TileWalk's FlagsOf) of one
 // (batch, query head) that has a mask or (kSegments kernels) segment ids: the mask's (all
-// visible without one), and-ed with what the ids leave visible.
+// visible without one), and-ed with what the ids leave visible; in kForms kernels what the
+// block indices leave.
 template <typename Tr>
 struct QueryFlags {
   using MaskFlags = detail::QueryTileFlags<Tr::BM, Tr::BN>;
-  using Tiles = std::conditional_t<Tr::kSegments,
-                                   detail::SegmentedTileFlags<MaskFlags, Tr::BM, false>, MaskFlags>;
+  using Tiles = std::conditional_t<
+      Tr::kSegments, detail::SegmentedTileFlags<MaskFlags, Tr::BM, false>,
+      std::conditional_t<Tr::kForms, detail::FormQueryTileFlags<Tr::BM, Tr::BN>, MaskFlags>>;
   Tiles tiles;
   __device__ __forceinline__ QueryFlags(const BwdParams& p, int64_t b, int h, int n0)
       : tiles(make(p, b, h, n0)) {}
   __device__ __forceinline__ int operator()(int t) const { return tiles(t); }
   // Whether the call's tiles may be hidden at all (else every one is visible, all true).
   static __device__ __forceinline__ bool may_hide(const BwdParams& p) {
-    return Tr::kSegments || p.mask != nullptr;
+    return Tr::kSegments || Tr::kForms || p.mask != nullptr;
   }
 
  private:
@@ -105,6 +108,8 @@ struct QueryFlags {
     if constexpr (Tr::kSegments) {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, b);
       return {mask, p.mask != nullptr, spans, spans.keys<Tr::BN>(n0)};
+    } else if constexpr (Tr::kForms) {
+      return {&p.forms, detail::FormEntries(p.forms, p.s, b, h).block, n0};
     } else {
       return mask;
     }
@@ -115,7 +120,7 @@ struct QueryFlags {
 template <typename Tr>
 __device__ __forceinline__ int tile_flags(const BwdParams& p, int64_t b, int h, int m0, int n0) {
   if (!QueryFlags<Tr>::may_hide(p)) return detail::kTileAny | detail::kTileAll;
-  if constexpr (Tr::kSegments) return QueryFlags<Tr>(p, b, h, n0)(m0 / Tr::BM);
+  if constexpr (Tr::kSegments || Tr::kForms) return QueryFlags<Tr>(p, b, h, n0)(m0 / Tr::BM);
   return detail::MaskMapView(p.mask_map, p.s, b, h).tile<Tr::BM, Tr::BN>(m0, n0);
 }
 

@@ -75,8 +75,11 @@ constexpr int kDqHandoffThreads = kConsumerThreads + 32;
 // every kernel moved the others' register allocation, the biased consumers into spills). kGate_:
 // gated calls (gate.cuh), without a mask, bias or segment ids: each block's alpha rows and the
 // key block's delta (of the block's batch entry) come with its Q into a slot of their own.
+// kForms_: block indices alone whose blocks are whole tiles (BlockIndicesHoldTiles), without a
+// mask, bias, segment ids or the gate: the scheduler's walk skips the query blocks no listed
+// block meets, and every block it queues is whole.
 template <int D_, int kDqStages_ = 1, bool kBias_ = false, bool kSegments_ = false,
-          bool kGate_ = false>
+          bool kGate_ = false, bool kForms_ = false>
 struct BwdTraitsSm90 {
   static constexpr int D = D_, BN = 128, BM = 64, kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
@@ -85,6 +88,7 @@ struct BwdTraitsSm90 {
   static constexpr bool kSegments = kSegments_;
   static constexpr bool kBias = kBias_;
   static constexpr bool kGate = kGate_;
+  static constexpr bool kForms = kForms_;
   // 56 + 2 x 224 registers of the launch's 3 x 168: the producer warpgroup's scheduler and
   // loader spilled at 24 (local traffic beside the consumers' shared memory: D64 backward 6 %
   // slower at 24, 4 % at 40 than at 56 on an H100), and the consumers fit 224 (at D128 with a
@@ -133,6 +137,8 @@ struct BwdTraitsSm90 {
                 "gated kernels: one dQ stage, no bias or segment ids (Takes)");
   static_assert(!kGate || (kGateBlockQ % BM == 0 && kGateBlockK % BN == 0),
                 "tiles nest in the gate threshold's grid");
+  static_assert(!kForms || (kDqStages == 1 && !kBias && !kSegments && !kGate),
+                "block-index kernels: one dQ stage, no bias, segment ids or gate (Takes)");
   static constexpr uint32_t kMaskBytes = BM * BN / 8;
   static constexpr uint32_t kOffMask = kOffDsum + kStages * kRowSlot * 4;
   // Queued blocks: the dQ warps' lag, the ring's two and the scheduler's lead.

@@ -10,6 +10,9 @@
 //         skipped by a warp none of whose rows' maxima grew)
 //   threshold kernels: S(n) dropped before its softmax where the rule says so (fwd_threshold.cuh);
 //         the next S GEMM then goes alone, with no P V beside it
+//   block-index kernels: a block only the other warpgroup's rows see is passed (its turn taken,
+//         its slots released, no S GEMM); a pending P V goes in the pass's turn, and the next
+//         S GEMM of this warpgroup's own then goes alone
 //
 // The consumer warpgroups take turns at issuing their two GEMMs (named barriers kTurnBarrier):
 // one warpgroup's softmax runs under the other's GEMMs. Ring slots are released to the producer
@@ -107,6 +110,14 @@ inline constexpr bool kWarpgroupKeys = Tr::kConsumers == 3;
 template <typename Tr>
 inline constexpr int kSoftmaxChains = !Tr::kOperands && Tr::D <= 128 ? 4 : 1;
 
+// Whether this warpgroup's rows see block n of the walk (flags: its flags): in kForms kernels
+// the block indices' own bit of the warpgroup (mask_forms.cuh: kTileRows), else every block the
+// tile's walk yields.
+template <typename Tr>
+__device__ __forceinline__ bool owns_block(int flags, const ConsumerThread& th) {
+  return !Tr::kForms || (flags & (detail::kTileRows << th.wg)) != 0;
+}
+
 // A key block this warpgroup's rows cannot see: its turn taken and its ring slots released as
 // consume_tile's would be, with no GEMM (the tensor cores are left to the other warpgroups).
 template <typename Tr>
@@ -153,16 +164,22 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
   const auto threshold = threshold_rows<Tr>(P, w, th);
   mbar_wait(bar.q_full(), q_parity);
   int first = w.keys.lo;  // the last block of this warpgroup's (kWarpgroupKeys: others follow)
-  if constexpr (kWarpgroupKeys<Tr>) {
-    // With a sink, every block of the tile (the element test hides what this warpgroup's rows
-    // do not see).
-    const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
-    const detail::BlockRange mine =
-        rule.sink > 0 ? w.keys
-                      : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
+  if constexpr (kWarpgroupKeys<Tr> || Tr::kForms) {
+    int above = w.keys.hi;  // the first block past this warpgroup's
+    if constexpr (kWarpgroupKeys<Tr>) {
+      // With a sink, every block of the tile (the element test hides what this warpgroup's rows
+      // do not see).
+      const detail::PositionRule rule = head_rule<Tr>(P, w.hk);
+      const detail::BlockRange mine =
+          rule.sink > 0
+              ? w.keys
+              : detail::visible_key_blocks<64, Tr::BN>(w.lens, rule.band, th.wg_row0(w.m0));
+      first = max(first, mine.lo);
+      above = mine.hi;
+    }
     static_assert(Tr::kKeyStep < 0, "warpgroups' own blocks in a walk down the keys");
-    first = max(first, mine.lo);
-    for (; n >= first && n >= mine.hi; n = walk.next(n - 1, &flags)) {
+    for (; n >= first && (n >= above || !owns_block<Tr>(flags, th));
+         n = walk.next(n - 1, &flags)) {
       pass_block<Tr>(P, flags, bar, ring, operands, th);
     }
     if (n < first) {  // none of the tile's blocks is this warpgroup's
@@ -187,18 +204,21 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
                                             probability_weights<Tr>(smem, ring, gate, th));
   pack_probabilities<T>(pf, s);
   // The previous block's V slot: P V multiplies it, or (threshold kernels, after a dropped
-  // block: `live` false) it is released unread, as late as P V would have read it.
+  // block: `live` false) it is released unread, as late as P V would have read it. Block-index
+  // kernels issue it early, when this warpgroup passes a block (`pending` false after).
   RingPos<Tr::kStages> pv = ring;
   ring.advance();
-  bool live = true;
+  bool live = true, pending = true;
 
-  // Key block n: S(n) = Q K^T with the previous block's P V beside it (has_pv; threshold kernels:
-  // none after a dropped block), then S(n)'s scores and softmax. Each kind of step is code of its
-  // own: ptxas serialises every wgmma of a kernel where accumulators may be read while a wgmma
-  // that writes them can still run, which it cannot rule out across branches on `live` (warnings
+  // Key block n: S(n) = Q K^T with the previous block's P V beside it (kWithPv; threshold
+  // kernels: none after a dropped block, kDropped; block-index kernels: none after a pass that
+  // issued it, kAlone), then S(n)'s scores and softmax. Each kind of step is code of its own:
+  // ptxas serialises every wgmma of a kernel where accumulators may be read while a wgmma that
+  // writes them can still run, which it cannot rule out across branches on `live` (warnings
   // C7514 / C7517).
-  auto step = [&](auto has_pv) {
-    constexpr bool kPv = decltype(has_pv)::value;
+  enum StepKind { kWithPv, kDropped, kAlone };
+  auto step = [&](auto kind) {
+    constexpr bool kPv = decltype(kind)::value == kWithPv;
     mbar_wait(bar.k_full(ring.slot), ring.parity);
     take_turn<kC>(th.wg);
     issue_scores<Tr, T>(s, sq, k_at(ring.slot));
@@ -211,8 +231,10 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     if constexpr (kPv) {
       detail::wgmma_wait<1>();  // S(n)
     } else {
-      mbar_wait(bar.v_full(pv.slot), pv.parity);
-      th.release(bar.v_empty(pv.slot));
+      if constexpr (decltype(kind)::value == kDropped) {
+        mbar_wait(bar.v_full(pv.slot), pv.parity);
+        th.release(bar.v_empty(pv.slot));
+      }
       detail::wgmma_wait<0>();
     }
     detail::fence_operands(s);
@@ -237,17 +259,52 @@ __device__ __forceinline__ bool consume_tile(const FwdParamsSm90& P, const TileW
     pv = ring;
     ring.advance();
   };
+  // A block only the other warpgroup's rows see (block-index kernels), after one of this
+  // warpgroup's: the pending P V goes in the pass's turn. Held over the pass, its V slot would
+  // keep the producer from the passed block's successor, which the next pass waits for.
+  auto pass_with_output = [&] {
+    mbar_wait(bar.k_full(ring.slot), ring.parity);
+    mbar_wait(bar.v_full(pv.slot), pv.parity);
+    take_turn<kC>(th.wg);
+    issue_output<Tr, T>(o, pf, v_at(pv.slot));
+    pass_turn<kC>(th.wg);
+    th.release(bar.k_empty(ring.slot));
+    detail::wgmma_wait<0>();
+    detail::fence_operands(o);
+    th.release(bar.v_empty(pv.slot));
+    mbar_wait(bar.v_full(ring.slot), ring.parity);
+    th.release(bar.v_empty(ring.slot));
+    ring.advance();
+  };
+  using WithPv = std::integral_constant<int, kWithPv>;
+  using Dropped = std::integral_constant<int, kDropped>;
+  using Alone = std::integral_constant<int, kAlone>;
   auto more = [&](int m) { return Tr::kKeyStep < 0 ? m >= first : walk.holds(m); };
   for (n = walk.after(n, &flags); more(n); n = walk.after(n, &flags)) {
-    if (!Tr::kThreshold || live) {
-      step(std::true_type{});
+    if (!owns_block<Tr>(flags, th)) {  // only the other warpgroup's rows see it
+      if (pending) {
+        pass_with_output();
+        pending = false;
+      } else {
+        pass_block<Tr>(P, flags, bar, ring, operands, th);
+      }
+    } else if (Tr::kForms && !pending) {
+      step(Alone{});
+      pending = true;
+    } else if (!Tr::kThreshold || live) {
+      step(WithPv{});
     } else {
-      step(std::false_type{});
+      step(Dropped{});
     }
   }
 
   // Every S GEMM of the tile is done: the next tile's Q may load while the last P V runs.
   if (!Tr::kOutputInQ || P.p.out_f32) th.release(bar.q_empty());  // else after the store
+  if (Tr::kForms && !pending) {  // the turn of the last P V, issued already
+    take_turn<kC>(th.wg);
+    pass_turn<kC>(th.wg);
+    return true;
+  }
   mbar_wait(bar.v_full(pv.slot), pv.parity);
   take_turn<kC>(th.wg);
   if (!Tr::kThreshold || live) {

@@ -19,7 +19,10 @@ namespace dmattn::cuda::sm90 {
 // warpgroups (128 query rows: the tiles nest in the gate threshold's grid), calls with a softmax
 // threshold (D <= 128, without the gate, segment ids or a window table) kernels that apply it,
 // with two consumer warpgroups (each a block of the rule's grid) and the operand rings where
-// there is a mask or bias.
+// there is a mask or bias; calls with block indices of multiples of 64 x 64 (D <= 128, nothing
+// else beside them: HopperForwardTakes) kernels that walk them, with two consumer warpgroups at
+// every head dim (each one's 64 rows in one query block) and 64-key tiles where the key blocks
+// are not multiples of 128.
 template <int D>
 struct FwdConfig {
   static constexpr bool kAvailable = HasHopperForward(D);
@@ -37,6 +40,8 @@ struct FwdConfig {
   using ThresholdTraits = FwdTraits<D, 128, 2, false, 0, 0, false, false, false, false, true>;
   using ThresholdOperandTraits =
       FwdTraits<D, 128, 2, true, 0, 0, false, true, false, false, true>;
+  template <int BN>
+  using FormsTraits = FwdTraits<D, BN, 2, false, 0, 0, false, false, false, false, false, true>;
 };
 
 // Where the tiles of a mask or bias lie in its tensor map: its own contiguous shape [batch

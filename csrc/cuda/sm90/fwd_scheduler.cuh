@@ -24,6 +24,7 @@
 #include "cuda/block_map.cuh"
 #include "cuda/gate.cuh"
 #include "cuda/kernel_utils.cuh"
+#include "cuda/mask_forms.cuh"
 #include "cuda/segments.cuh"
 #include "cuda/sm90/fwd_params.h"
 #include "cuda/sm90/fwd_traits.cuh"
@@ -117,19 +118,20 @@ struct GatePass {
   int lo;  // the tile's first visible block
 };
 
-// The tile's key blocks that the mask (and with kSegments the segment ids, segments.cuh) leave
-// visible (all of them without either), from the last to the first (block_map.cuh; threshold
-// kernels from the first to the last: Tr::kKeyStep), stepping over the gap below a window table's
-// band (kTable); warp-wide. first_block(): the first of them; after(n): the one after n; holds(n):
-// whether n is one of them (else the walk is over). Kernels that take neither compile no walk at
-// all (csrc/cuda/README.md: the walk's code in their main loop). Gated kernels pass over the blocks
-// of the gate threshold's grid that it drops (gate.cuh: GateFilter; every block is kept without a
-// threshold).
+// The tile's key blocks that the mask (with kSegments the segment ids, segments.cuh; with kForms
+// the block indices, mask_forms.cuh) leave visible (all of them without any), from the last to
+// the first (block_map.cuh; threshold kernels from the first to the last: Tr::kKeyStep),
+// stepping over the gap below a window table's band (kTable); warp-wide. first_block(): the first
+// of them; after(n): the one after n; holds(n): whether n is one of them (else the walk is over).
+// Kernels that take none compile no walk at all (csrc/cuda/README.md: the walk's code in their
+// main loop). Gated kernels pass over the blocks of the gate threshold's grid that it drops
+// (gate.cuh: GateFilter; every block is kept without a threshold).
 template <typename Tr>
 struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
   using MaskFlags = detail::KeyTileFlags<Tr::BM, Tr::BN>;
-  using Flags = std::conditional_t<Tr::kSegments,
-                                   detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>, MaskFlags>;
+  using Flags = std::conditional_t<
+      Tr::kSegments, detail::SegmentedTileFlags<MaskFlags, Tr::BN, true>,
+      std::conditional_t<Tr::kForms, detail::FormKeyTileFlags<Tr::BM, Tr::BN>, MaskFlags>>;
   using Gate = std::conditional_t<Tr::kGate, GatePass, NoGatePass>;
   static constexpr int kStep = Tr::kKeyStep;
   static_assert(kStep < 0 || (!Tr::kGate && !Tr::kTable), "the gate's and the gap's walks go down");
@@ -159,7 +161,7 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
  private:
   // The next block at or below n that the mask, the segment ids and the position rule leave.
   __device__ __forceinline__ int visible(int n, int* flags) {
-    constexpr bool kWalks = Tr::kOperands || Tr::kSegments;
+    constexpr bool kWalks = Tr::kOperands || Tr::kSegments || Tr::kForms;
     if constexpr (kWalks && Tr::kTable) {
       return gap.next(n, flags, [&](int t, int* f) { return walk.next(t, f); });
     } else if constexpr (kWalks) {
@@ -199,6 +201,9 @@ struct KeyWalk : std::conditional_t<Tr::kGate, GatePass, NoGatePass> {
       const detail::SegmentSpansView spans(p.segment_spans, p.s, w.b);
       return detail::TileWalk<kStep, Flags>(true, {mask, has_mask, spans, spans.rows<Tr::BM>(w.m0)},
                                             end);
+    } else if constexpr (Tr::kForms) {
+      return detail::TileWalk<kStep, Flags>(
+          true, {&p.forms, detail::FormEntries(p.forms, p.s, w.b, w.h).block, w.m0}, end);
     } else {
       return detail::TileWalk<kStep, Flags>(has_mask, mask, end);
     }

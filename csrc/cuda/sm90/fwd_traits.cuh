@@ -29,15 +29,21 @@ constexpr uint32_t kQueuedTileBytes = 64;
 // kThreshold: softmax-threshold skipping (fwd_threshold.cuh; kernels of their own, without the
 // gate, segment ids or window tables): the walks go up the key blocks, as the rule visits them,
 // and each consumer warpgroup decides on its 64 rows' blocks of the rule's grid.
+// kForms: block indices whose blocks hold each warpgroup's rows of a tile (mask_forms.cuh; kernels
+// of their own, without the operand rings, segment ids, window tables, the gate or a threshold):
+// the walks skip the tiles the forms' summaries hide, and a warpgroup passes those that only the
+// other's rows see; every block it computes is whole, so no score is tested. (Testing the scores
+// of partly listed tiles in the consumers took them to 56 spill stores.)
 // kProducerRegs_ / kConsumerRegs_: setmaxnreg budgets other than the defaults below (0: the
 // default), for tuning builds.
 template <int D_, int BN_, int kConsumers_ = 2, bool kOperands_ = false, int kProducerRegs_ = 0,
           int kConsumerRegs_ = 0, bool kSegments_ = false, bool kBias_ = kOperands_,
-          bool kTable_ = false, bool kGate_ = false, bool kThreshold_ = false>
+          bool kTable_ = false, bool kGate_ = false, bool kThreshold_ = false,
+          bool kForms_ = false>
 struct FwdTraits {
   static constexpr int D = D_, BN = BN_, kConsumers = kConsumers_;
   static constexpr bool kOperands = kOperands_, kSegments = kSegments_, kTable = kTable_;
-  static constexpr bool kGate = kGate_, kThreshold = kThreshold_;
+  static constexpr bool kGate = kGate_, kThreshold = kThreshold_, kForms = kForms_;
   // The direction of the key walks: down from the last block, or up with a threshold.
   static constexpr int kKeyStep = kThreshold ? 1 : -1;
   static constexpr bool kBias = kOperands && kBias_;
@@ -53,9 +59,10 @@ struct FwdTraits {
   // operand warps then spill 37 instructions instead of 395, their consumers none (H100 harness,
   // bias + 50 % mask 0.697 -> 0.692 ms, all-true mask 0.648 -> 0.645; other budgets:
   // tests/cuda/tune_fwd.cu). The gated D <= 128 kernels too: at 24 their producer (the gate
-  // filter, the delta loads) spilled 228 instructions, at 56 none (sm_90a D = 128).
+  // filter, the delta loads) spilled 228 instructions, at 56 none (sm_90a D = 128), and the
+  // block-index kernels (the forms' walk): 560 bytes of spill stores at 24, none at 56.
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static constexpr bool kWideProducer = kConsumers == 2 && (kBias || kGate) && D <= 128;
+  static constexpr bool kWideProducer = kConsumers == 2 && (kBias || kGate || kForms) && D <= 128;
   static constexpr int kProducerRegs =
       kProducerRegs_ ? kProducerRegs_ : kConsumers == 3 ? 32 : kWideProducer ? 56 : 24;
   static constexpr int kConsumerRegs =
@@ -121,6 +128,10 @@ struct FwdTraits {
                                 BN == kSkipBlockK && 64 == kSkipBlockQ),
                 "threshold kernels: a warpgroup's 64 rows and a key block are one block of the "
                 "rule's grid; no gate, segment ids, window table or third consumer");
+  static_assert(!kForms || (!kOperands && !kSegments && !kTable && !kGate && !kThreshold),
+                "block-index kernels: no mask, bias, segment ids, window table, gate or threshold");
+  static_assert(!kForms || kConsumers == 2,
+                "block-index kernels: each warpgroup's 64 rows in one block (BlockIndicesHoldTiles)");
   // A slot's V is full once its TMA bytes (the producer's arrival) and, in gated kernels, its
   // delta (an arrival of each producer lane once its cp.async has landed) are in.
   static constexpr int kVFullArrivals = kGate ? 1 + 32 : 1;
