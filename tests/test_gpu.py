@@ -258,10 +258,12 @@ def test_forward_kernel_query():
     odd = (8, 4090, 16, 128)  # bias rows of 8180 bytes, which TMA cannot address; the mask's
     assert _ffi.cuda_forward_kernel(q, odd, None, (1, 1, 4096, 4090)) == "flash2"
     assert _ffi.cuda_forward_kernel(q, odd, (1, 1, 4096, 4090)) == hopper  # bits pad their rows
-    # the O(L) mask forms run the FlashAttention-2-class forward; segment ids the Hopper one
+    # key and row ranges, and block indices of blocks that split tiles, run the
+    # FlashAttention-2-class forward (test_block_indices covers the block sizes the Hopper one
+    # takes); segment ids the Hopper one
     assert _ffi.cuda_forward_kernel(q, k, key_ranges=(8, 16, 1, 4096)) == "flash2"
     assert _ffi.cuda_forward_kernel(q, k, row_ranges=(1, 1, 4096, 1)) == "flash2"
-    assert _ffi.cuda_forward_kernel(q, k, block_indices=(1, 16, 64, 8), block_q=64,
+    assert _ffi.cuda_forward_kernel(q, k, block_indices=(1, 16, 128, 8), block_q=32,
                                     block_k=64) == "flash2"
     assert _ffi.cuda_forward_kernel(q, k, q_segments=(8, 4096), kv_segments=(8, 4096)) == hopper
     with pytest.raises(ValueError, match="forward kernel"):
