@@ -49,7 +49,12 @@ struct FwdTraits {
   static constexpr bool kBias = kOperands && kBias_;
   static constexpr int BM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kStages = 2;
+  // K / V ring slots. Block-index kernels on 64-key tiles take four: a warpgroup computes only
+  // its own query block's blocks of the tiles it walks, so a slot turns over in half the time
+  // of a 128-key tile's while its load's latency stays (H200, L16k H16 D128, 64 x 64 blocks top
+  // 16 of 256: forward 0.502 -> 0.478 ms, causal 0.294 -> 0.277; three slots 0.484). At 128 keys
+  // a third slot, O then staged in Q's tile, made them 1.6 % slower.
+  static constexpr int kStages = kForms && BN == 64 ? 4 : 2;
   // setmaxnreg budgets per thread: the warpgroups share what the CTA got at launch (the
   // __launch_bounds__ cap, 65536 / kThreads rounded down to 8, per thread), or setmaxnreg.inc
   // waits forever: 24 + 2 x 240 (of 3 x 168) or 32 + 3 x 160 (of 4 x 128). With 224 for two
